@@ -1,0 +1,31 @@
+"""Eviction policies and the registry that maps names (`--policy`) to classes."""
+
+from __future__ import annotations
+
+from kvd.errors import BadArgsError
+from kvd.policies.base import EvictionPolicy
+from kvd.policies.lfu import LFUPolicy
+from kvd.policies.lru import LRUPolicy
+
+POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRUPolicy, LFUPolicy)}
+
+# What `kvd start` and `PagedKVCache` use when no policy is named.
+DEFAULT_POLICY = "lru"
+
+
+def make_policy(name: str, capacity: int) -> EvictionPolicy:
+    """Build the registered policy `name` (or `"default"`) for a pool of `capacity` blocks.
+
+    Raises:
+        BadArgsError: unknown name; the message lists the choices.
+    """
+    if name == "default":
+        name = DEFAULT_POLICY
+    cls = POLICIES.get(name)
+    if cls is None:
+        choices = ", ".join(sorted(POLICIES))
+        raise BadArgsError(f"unknown eviction policy {name!r}: choose one of {choices} or 'default'")
+    return cls(capacity)
+
+
+__all__ = ["DEFAULT_POLICY", "POLICIES", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "make_policy"]

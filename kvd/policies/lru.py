@@ -1,0 +1,44 @@
+"""LRU: evict the key made evictable or hit longest ago.
+
+An `OrderedDict` is a hash map threaded with a doubly linked list in C: `move_to_end` and
+`popitem(last=False)` are O(1) and allocate nothing, which makes it both the simplest and the
+fastest LRU available to Python code (bench/policies.py).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+
+from kvd.policies.base import EvictionPolicy
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used; recency = last hit or last time the key became evictable."""
+
+    name = "lru"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def inserted(self, key: Hashable) -> None:
+        self._order[key] = None
+
+    def accessed(self, key: Hashable) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def removed(self, key: Hashable) -> None:
+        del self._order[key]
+
+    def victim(self) -> Hashable | None:
+        if not self._order:
+            return None
+        return self._order.popitem(last=False)[0]
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order

@@ -1,0 +1,355 @@
+"""The block pool: states, ref counts, pins per owner, the free list and the content-hash index.
+
+Theory of operation
+-------------------
+The pool owns the metadata of `num_blocks` fixed-size blocks; it never touches KV bytes, sockets
+or files. The daemon and the embedded cache both drive it from a single thread.
+
+Block states (DESIGN.md section 3)::
+
+    FREE ──allocate──► OWNED(owner, writable) ──seal(hash)──► SEALED(ref>0, read-only)
+      ▲                   │ release / owner gone                 │ last release
+      │                   ▼                                      ▼
+      └──────────────── FREE ◄──── evict (policy victim) ◄── CACHED(sealed, ref 0)
+                                                                 │ lookup hit → SEALED
+
+Storage, chosen so a million-block pool costs tens of bytes per block and no Python object per
+block until it holds content:
+  * `_state`  bytearray, one byte per block;
+  * `_refs`   list of ints (ref counts; all small ints are shared objects);
+  * `_free`   array('q') used as a LIFO stack: allocate pops, free pushes, both O(1); LIFO hands
+    out recently freed blocks whose pages are warm;
+  * `_hashes` list, the content hash of each SEALED/CACHED block (None otherwise);
+  * `_index`  dict hash → block id: at most one block per hash (invariant 4);
+  * `_held`   dict owner → {block id: pins}; an OWNED block is held once by its owner;
+  * `generations` uint64 per block (in the shared segment when a daemon runs): bumped every time a
+    block goes back to FREE, so a reader holding a stale id can tell it was reused (invariant 5).
+
+The policy sees only CACHED keys (see kvd/policies/base.py); `_num_cached == len(policy)`.
+
+Duplicates: sealing a hash that another block already holds leaves the sealer's block SEALED but
+out of the index. Its ids stay valid for the sealer (a worker's block table never changes under
+it) and it is freed, not cached, on its last release.
+
+Errors: expected exhaustion returns None from `allocate`; misuse by a caller (wrong owner, wrong
+state, bad hash) raises a typed KvdError and changes nothing; a policy that returns a key the pool
+cannot evict raises InternalError naming the policy — that is a kvd bug.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Hashable, Iterable, Sequence
+
+import numpy as np
+
+from kvd.errors import BadArgsError, InUseError, InternalError, NotFoundError
+from kvd.policies import EvictionPolicy, make_policy
+
+FREE, OWNED, SEALED, CACHED = 0, 1, 2, 3
+STATE_NAMES = ("free", "owned", "sealed", "cached")
+
+
+class BlockPool:
+    """Metadata of one pool of equally shaped blocks."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: EvictionPolicy | str = "default",
+        generations: np.ndarray | None = None,
+    ) -> None:
+        """Args:
+            num_blocks: blocks in the pool (> 0).
+            policy: an EvictionPolicy or a registered policy name.
+            generations: uint64 array of `num_blocks` counters to maintain (e.g. in shared memory);
+                a private one is made when None.
+        """
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise BadArgsError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.policy = make_policy(policy, num_blocks) if isinstance(policy, str) else policy
+        if generations is None:
+            generations = np.zeros(num_blocks, dtype=np.uint64)
+        if generations.shape != (num_blocks,):
+            raise BadArgsError(f"generations must have shape ({num_blocks},), got {generations.shape}")
+        self.generations = generations
+        self._state = bytearray(num_blocks)
+        self._refs = [0] * num_blocks
+        self._free = array("q", range(num_blocks - 1, -1, -1))  # block 0 allocated first
+        self._hashes: list[Hashable | None] = [None] * num_blocks
+        self._index: dict[Hashable, int] = {}
+        self._held: dict[int, dict[int, int]] = {}
+        self._num_owned = 0
+        self._num_sealed = 0
+        self.counters = {"allocated": 0, "evicted": 0, "sealed": 0, "lookups": 0,
+                         "lookup_blocks": 0, "hit_blocks": 0}
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_owned(self) -> int:
+        return self._num_owned
+
+    @property
+    def num_sealed(self) -> int:
+        return self._num_sealed
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.policy)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation could get right now: free plus evictable."""
+        return len(self._free) + len(self.policy)
+
+    def state(self, block_id: int) -> str:
+        return STATE_NAMES[self._state[self._checked_id(block_id)]]
+
+    def ref_count(self, block_id: int) -> int:
+        return self._refs[self._checked_id(block_id)]
+
+    def block_hash(self, block_id: int) -> Hashable | None:
+        return self._hashes[self._checked_id(block_id)]
+
+    def find(self, key: Hashable) -> int | None:
+        """Block id holding `key` in the index, without pinning or counting an access."""
+        return self._index.get(key)
+
+    def holdings(self, owner: int) -> dict[int, int]:
+        """Copy of {block id: pins} held by `owner`."""
+        return dict(self._held.get(owner, {}))
+
+    def owners(self) -> list[int]:
+        return list(self._held)
+
+    # ---- allocation ------------------------------------------------------------------------
+    def allocate(self, num_blocks: int, owner: int) -> list[int] | None:
+        """Hand out `num_blocks` writable blocks to `owner`, evicting cached blocks if needed.
+
+        All or nothing: returns None (and evicts nothing) when free + evictable < num_blocks.
+        """
+        if num_blocks < 0:
+            raise BadArgsError(f"cannot allocate a negative number of blocks ({num_blocks})")
+        if num_blocks > len(self._free) + len(self.policy):
+            return None
+        while len(self._free) < num_blocks:
+            self._evict_one()
+        held = self._held.setdefault(owner, {})
+        state, refs, free = self._state, self._refs, self._free
+        block_ids = [free.pop() for _ in range(num_blocks)]
+        for block_id in block_ids:
+            state[block_id] = OWNED
+            refs[block_id] = 1
+            held[block_id] = 1
+        self._num_owned += num_blocks
+        self.counters["allocated"] += num_blocks
+        return block_ids
+
+    def _evict_one(self) -> None:
+        key = self.policy.victim()
+        block_id = self._index.pop(key, None) if key is not None else None
+        if block_id is None or self._state[block_id] != CACHED:
+            raise InternalError(
+                f"policy {self.policy.name!r} chose victim {key!r} that is not a cached block "
+                f"(block {block_id}): bug in the policy or in the pool's event calls")
+        self._hashes[block_id] = None
+        self._to_free(block_id)
+        self.counters["evicted"] += 1
+
+    def _to_free(self, block_id: int) -> None:
+        self._state[block_id] = FREE
+        self._refs[block_id] = 0
+        self.generations[block_id] += 1
+        self._free.append(block_id)
+
+    # ---- sealing, lookup, pinning -------------------------------------------------------
+    def seal(self, block_ids: Sequence[int], keys: Sequence[Hashable], owner: int) -> list[bool]:
+        """Publish `owner`'s OWNED blocks under content keys; they become read-only, still pinned.
+
+        Returns, per block, whether it now holds its key in the index (False: another block
+        already did, this one stays a private read-only duplicate).
+        Raises (changing nothing): BadArgsError, NotFoundError (not held), InUseError (not OWNED).
+        """
+        if len(block_ids) != len(keys):
+            raise BadArgsError(f"seal got {len(block_ids)} block ids but {len(keys)} hashes")
+        held = self._held.get(owner, {})
+        for block_id in block_ids:
+            self._checked_id(block_id)
+            if block_id not in held:
+                raise NotFoundError(f"block {block_id} is not held by this session")
+            if self._state[block_id] != OWNED:
+                raise InUseError(f"block {block_id} is {self.state(block_id)}, only owned blocks "
+                                 "can be sealed (sealed blocks are immutable)")
+        if len(set(block_ids)) != len(block_ids):
+            raise BadArgsError("seal names the same block twice")
+        indexed = []
+        for block_id, key in zip(block_ids, keys):
+            self._state[block_id] = SEALED
+            self._hashes[block_id] = key
+            is_new = key not in self._index
+            if is_new:
+                self._index[key] = block_id
+            indexed.append(is_new)
+        self._num_owned -= len(block_ids)
+        self._num_sealed += len(block_ids)
+        self.counters["sealed"] += len(block_ids)
+        return indexed
+
+    def lookup(self, keys: Iterable[Hashable], owner: int) -> list[int]:
+        """Pin for `owner` the blocks of the longest prefix of `keys` that is cached."""
+        block_ids = []
+        num_asked = 0
+        for key in keys:
+            num_asked += 1
+            block_id = self._index.get(key)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        self._pin_sealed(block_ids, owner, count_access=True)
+        self.counters["lookups"] += 1
+        self.counters["lookup_blocks"] += num_asked
+        self.counters["hit_blocks"] += len(block_ids)
+        return block_ids
+
+    def touch(self, key: Hashable) -> int | None:
+        """Count an access to `key` without pinning it; returns its block id or None."""
+        block_id = self._index.get(key)
+        if block_id is not None:
+            self.policy.accessed(key)
+        return block_id
+
+    def pin(self, block_ids: Sequence[int], owner: int) -> None:
+        """Add one pin per block for `owner` (sharing sealed blocks, e.g. on fork)."""
+        for block_id in block_ids:
+            self._checked_id(block_id)
+            if self._state[block_id] not in (SEALED, CACHED):
+                raise InUseError(f"block {block_id} is {self.state(block_id)}: only sealed blocks "
+                                 "can be shared")
+        self._pin_sealed(block_ids, owner, count_access=False)
+
+    def _pin_sealed(self, block_ids: Sequence[int], owner: int, count_access: bool) -> None:
+        if not block_ids:
+            return
+        held = self._held.setdefault(owner, {})
+        state, refs, hashes, policy = self._state, self._refs, self._hashes, self.policy
+        for block_id in block_ids:
+            if count_access:
+                policy.accessed(hashes[block_id])
+            if state[block_id] == CACHED:
+                policy.removed(hashes[block_id])
+                state[block_id] = SEALED
+                self._num_sealed += 1
+            refs[block_id] += 1
+            held[block_id] = held.get(block_id, 0) + 1
+
+    # ---- release ---------------------------------------------------------------------------
+    def release(self, block_ids: Sequence[int], owner: int) -> None:
+        """Drop one of `owner`'s pins on each block, last block first.
+
+        OWNED blocks go back to FREE (an aborted write). SEALED blocks whose ref count reaches 0
+        become CACHED — evictable — in reverse order, so a prefix chain's tail is evicted first.
+        Raises NotFoundError (changing nothing) if a block is not held by `owner` often enough.
+        """
+        held = self._held.get(owner, {})
+        wanted: dict[int, int] = {}
+        for block_id in block_ids:
+            wanted[block_id] = wanted.get(block_id, 0) + 1
+        for block_id, count in wanted.items():
+            if held.get(block_id, 0) < count:
+                raise NotFoundError(f"block {block_id} is not held by this session "
+                                    f"{'often enough ' if block_id in held else ''}to release it")
+        for block_id in reversed(block_ids):
+            self._unpin(block_id, held)
+        if not held:
+            self._held.pop(owner, None)
+
+    def release_owner(self, owner: int) -> int:
+        """Release everything `owner` holds (session closed or died); returns blocks touched."""
+        held = self._held.pop(owner, None)
+        if not held:
+            return 0
+        # Highest id first approximates "tail first" for chains allocated in one batch.
+        for block_id in sorted(held, reverse=True):
+            for _ in range(held[block_id]):
+                self._unpin(block_id, held)
+        return len(held)
+
+    def _unpin(self, block_id: int, held: dict[int, int]) -> None:
+        pins = held[block_id] - 1
+        if pins:
+            held[block_id] = pins
+        else:
+            del held[block_id]
+        state = self._state[block_id]
+        if state == OWNED:
+            self._num_owned -= 1
+            self._to_free(block_id)
+            return
+        refs = self._refs[block_id] - 1
+        self._refs[block_id] = refs
+        if refs:
+            return
+        self._num_sealed -= 1
+        key = self._hashes[block_id]
+        if self._index.get(key) == block_id:
+            self._state[block_id] = CACHED
+            self.policy.inserted(key)
+        else:  # a duplicate: nobody can look it up, so keeping it would only waste a block
+            self._hashes[block_id] = None
+            self._to_free(block_id)
+
+    # ---- checking ------------------------------------------------------------------------
+    def _checked_id(self, block_id: int) -> int:
+        if not isinstance(block_id, int) or isinstance(block_id, bool) \
+                or not 0 <= block_id < self.num_blocks:
+            raise BadArgsError(f"block id {block_id!r} is not in [0, {self.num_blocks})")
+        return block_id
+
+    def check_invariants(self) -> None:
+        """Verify DESIGN.md section 3's invariants in O(num_blocks); raise InternalError if not."""
+        counts = [0, 0, 0, 0]
+        for state in self._state:
+            counts[state] += 1
+        expected = [len(self._free), self._num_owned, self._num_sealed, len(self.policy)]
+        if counts != expected:
+            raise InternalError(f"state counts {counts} != bookkeeping {expected} "
+                                "(free, owned, sealed, cached)")
+        if len(set(self._free)) != len(self._free):
+            raise InternalError("a block is on the free list twice")
+        pins = [0] * self.num_blocks
+        for owner, held in self._held.items():
+            for block_id, count in held.items():
+                if count <= 0:
+                    raise InternalError(f"owner {owner} holds block {block_id} {count} times")
+                pins[block_id] += count
+        for block_id in range(self.num_blocks):
+            self._check_block(block_id, pins[block_id])
+        for key, block_id in self._index.items():
+            if self._hashes[block_id] != key or self._state[block_id] not in (SEALED, CACHED):
+                raise InternalError(f"index maps {key!r} to block {block_id} which does not hold it")
+
+    def _check_block(self, block_id: int, pins: int) -> None:
+        state, refs, key = self._state[block_id], self._refs[block_id], self._hashes[block_id]
+        where = f"block {block_id} ({STATE_NAMES[state]}, ref {refs}, pins {pins})"
+        if refs != pins:
+            raise InternalError(f"{where}: ref count differs from pins held by live owners")
+        if state == FREE and (refs or key is not None):
+            raise InternalError(f"{where}: a free block holds a ref or a hash")
+        if state == OWNED and (refs != 1 or key is not None):
+            raise InternalError(f"{where}: an owned block must have exactly its owner's ref")
+        if state == SEALED and (refs < 1 or key is None):
+            raise InternalError(f"{where}: a sealed block must be pinned and hashed")
+        if state == CACHED and (refs or key is None or self._index.get(key) != block_id
+                                or key not in self.policy):
+            raise InternalError(f"{where}: a cached block must be unpinned, indexed and evictable")
+
+    def stats(self) -> dict[str, int]:
+        """Block counts by state plus cumulative counters."""
+        return {"num_blocks": self.num_blocks, "free": self.num_free, "owned": self.num_owned,
+                "sealed": self.num_sealed, "cached": self.num_cached,
+                "indexed": len(self._index), **self.counters}

@@ -1,0 +1,87 @@
+"""Geometry: the shape of one pool's blocks, a per-pool value from the start.
+
+One block holds K and V for `block_size` tokens of every layer::
+
+    block shape = (num_layers, 2, block_size, num_kv_heads, head_dim)     # 2 = K, V
+    pool shape  = (num_blocks, *block shape)
+
+NumPy has no bfloat16: a bfloat16 pool is stored as 2-byte words (uint16) and viewed in torch
+with `torch.from_numpy(view).view(torch.bfloat16)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from kvd.errors import BadArgsError
+
+DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2")}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    num_blocks: int
+    num_layers: int = 8
+    block_size: int = 16
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "num_layers", "block_size", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise BadArgsError(f"{name} must be a positive int, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise BadArgsError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def pool_shape(self) -> tuple[int, ...]:
+        return (self.num_blocks, *self.block_shape)
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        """The storage dtype (uint16 words for bfloat16)."""
+        return DTYPES[self.dtype]
+
+    @property
+    def block_nbytes(self) -> int:
+        return int(np.prod(self.block_shape)) * self.numpy_dtype.itemsize
+
+    @property
+    def pool_nbytes(self) -> int:
+        return self.block_nbytes * self.num_blocks
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Geometry:
+        """Build from a dict (e.g. off the wire); unknown or missing keys are a BadArgsError."""
+        if not isinstance(data, dict):
+            raise BadArgsError(f"geometry must be a map, got {type(data).__name__}")
+        fields = set(cls.__dataclass_fields__)
+        unknown = set(data) - fields
+        if unknown:
+            raise BadArgsError(f"unknown geometry fields {sorted(unknown)}; valid: {sorted(fields)}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise BadArgsError(f"bad geometry {data!r}: {exc}") from None
+
+    @classmethod
+    def for_memory(cls, nbytes: int, **shape: Any) -> Geometry:
+        """The geometry with as many blocks as fit in `nbytes` (at least one)."""
+        probe = cls(num_blocks=1, **shape)
+        num_blocks = nbytes // probe.block_nbytes
+        if num_blocks < 1:
+            raise BadArgsError(f"{nbytes} bytes hold no block of {probe.block_nbytes} bytes: "
+                               "raise --memory or shrink the block")
+        return cls(num_blocks=int(num_blocks), **shape)

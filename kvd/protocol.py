@@ -1,0 +1,327 @@
+"""The wire protocol: framing, message shapes and argument validation, sans I/O.
+
+Theory of operation
+-------------------
+This module never touches a socket (the h11 shape): the daemon and the client read bytes however
+they like and `feed` them to a `FrameDecoder`, which returns complete frame bodies; everything
+else here is a pure function from bytes or objects to objects or bytes. Partial reads, coalesced
+frames and hostile input therefore become plain unit tests.
+
+Frame::
+
+    +-----------------------+------------------------------------------+
+    | length: u32 big-end.  | body: one msgpack object (length bytes)  |
+    +-----------------------+------------------------------------------+
+
+`length` is checked the moment its 4 bytes arrive, before any of the body is buffered: 0 is a
+ProtocolError, above `MAX_FRAME_NBYTES` a TooLargeError. Either leaves the stream unsynchronised,
+so the decoder stays failed (every later `feed` raises again) and the daemon closes the session;
+complete frames that arrived in the same chunk before the bad prefix are dropped with it.
+
+Messages (msgpack arrays)::
+
+    request       [request_id: uint, op: str, args: map str → any]
+    result reply  [request_id, true,  result]
+    error reply   [request_id, false, [CODE: str, message: str]]
+
+`request_id` is chosen by the client and echoed by the daemon, so replies can be matched even if a
+client pipelines. A session opens with op `hello` carrying `PROTOCOL_VERSION`.
+
+Bodies are unpacked with tight limits (string, binary, array and map lengths; no ext types, which
+also refuses msgpack timestamps) so a small frame can never make the daemon allocate much more
+than the frame itself. Anything msgpack rejects becomes a ProtocolError, never a crash.
+
+Errors carry the request id when it could be read: `ProtocolError.request_id` from
+`parse_request` (None when the id itself was unreadable) and `KvdError.request_id` from
+`parse_reply`, so the daemon can still answer a malformed request and a pipelining client can
+route an error reply to its caller.
+
+The `arg_*` validators are what op handlers call on `args`; each raises BadArgsError naming the
+argument and the type or range it expected. msgpack hands back exact `int`, `bytes`, `str`,
+`list`, `dict` objects, so the checks use `type(x) is T` (which also keeps `True` out of ints).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, NamedTuple
+
+import msgpack
+
+from kvd.errors import BadArgsError, KvdError, ProtocolError, TooLargeError, error_from_wire
+
+PROTOCOL_VERSION = 1
+
+MAX_FRAME_NBYTES = 2 * 1024 * 1024
+# Limits inside one body. Strings are op names, argument keys and messages; binary items are
+# 16-byte hashes or packed arrays (bounded by the frame); arrays are batches of ids or token ids
+# (a 2 MiB frame holds at most ~2M one-byte ints); maps are argument dicts and stats.
+MAX_STR_NBYTES = 64 * 1024
+MAX_ARRAY_LEN = MAX_FRAME_NBYTES
+MAX_MAP_LEN = 4096
+MAX_OP_NBYTES = 64
+MAX_REQUEST_ID = 2**64 - 1
+
+_LENGTH = struct.Struct(">I")
+_REQUIRED: Any = object()
+
+
+class Request(NamedTuple):
+    request_id: int
+    op: str
+    args: dict[str, Any]
+
+
+def _protocol_error(message: str, request_id: int | None = None) -> ProtocolError:
+    exc = ProtocolError(message)
+    exc.request_id = request_id  # type: ignore[attr-defined]
+    return exc
+
+
+# --- framing ---------------------------------------------------------------------------------
+
+def check_frame_length(nbytes: int) -> None:
+    """Raise if a frame body of `nbytes` may not be sent or received."""
+    if nbytes == 0:
+        raise _protocol_error("frame length 0: every frame carries a msgpack body")
+    if nbytes > MAX_FRAME_NBYTES:
+        raise TooLargeError(f"frame of {nbytes} bytes is above the {MAX_FRAME_NBYTES}-byte cap: "
+                            "split the batch into smaller requests")
+
+
+def encode_frame(obj: Any) -> bytes:
+    """Pack `obj` into one length-prefixed frame.
+
+    Raises:
+        TooLargeError: the body is above MAX_FRAME_NBYTES.
+        TypeError: `obj` holds something msgpack cannot pack (e.g. np.int64: pass `int`).
+    """
+    body = msgpack.packb(obj, use_bin_type=True)
+    check_frame_length(len(body))
+    return _LENGTH.pack(len(body)) + body
+
+
+class FrameDecoder:
+    """Reassembles frames from arbitrary chunks of a byte stream.
+
+    The buffer is a bytearray plus a read offset; consumed bytes are dropped once per `feed`
+    (CPython deletes a bytearray prefix by moving its start pointer), so the cost is linear in
+    the bytes fed however they are chunked.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._error: KvdError | None = None
+
+    @property
+    def buffered_nbytes(self) -> int:
+        """Bytes received but not yet returned as a frame body."""
+        return len(self._buffer)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[bytes]:
+        """Append `data`; return the body of every frame it completed, in order.
+
+        Raises:
+            ProtocolError: a length prefix of 0 (now or on any earlier feed).
+            TooLargeError: a length prefix above MAX_FRAME_NBYTES (now or earlier).
+        """
+        if self._error is not None:
+            raise self._error
+        buffer = self._buffer
+        buffer += data
+        bodies: list[bytes] = []
+        offset = 0
+        while len(buffer) - offset >= _LENGTH.size:
+            (nbytes,) = _LENGTH.unpack_from(buffer, offset)
+            try:
+                check_frame_length(nbytes)
+            except KvdError as exc:
+                self._error = exc
+                raise
+            end = offset + _LENGTH.size + nbytes
+            if end > len(buffer):
+                break
+            bodies.append(bytes(buffer[offset + _LENGTH.size:end]))
+            offset = end
+        del buffer[:offset]
+        return bodies
+
+
+def unpack_body(body: bytes) -> Any:
+    """Decode one frame body with tight limits.
+
+    Raises:
+        ProtocolError: not exactly one valid msgpack object within the limits.
+    """
+    try:
+        return msgpack.unpackb(
+            body, raw=False, strict_map_key=True, use_list=True, ext_hook=_refuse_ext,
+            max_str_len=MAX_STR_NBYTES, max_bin_len=MAX_FRAME_NBYTES,
+            max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises ValueError, FormatError, StackError, TypeError...
+        raise _protocol_error(f"undecodable frame body: {type(exc).__name__}: {exc}") from None
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack ext type {code} is not allowed")
+
+
+# --- messages --------------------------------------------------------------------------------
+
+def _is_request_id(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= MAX_REQUEST_ID
+
+
+def encode_request(request_id: int, op: str, args: dict[str, Any]) -> bytes:
+    """Frame a request."""
+    return encode_frame([request_id, op, args])
+
+
+def encode_result(request_id: int, result: Any) -> bytes:
+    """Frame a success reply. Raises TooLargeError if the result does not fit one frame."""
+    return encode_frame([request_id, True, result])
+
+
+def encode_error(request_id: int | None, exc: KvdError) -> bytes:
+    """Frame an error reply `[CODE, message]` for `exc` (request_id None is sent as nil)."""
+    return encode_frame([request_id, False, [exc.code, str(exc)[:MAX_STR_NBYTES // 4]]])
+
+
+def parse_request(obj: Any) -> Request:
+    """Check the shape of a decoded request.
+
+    Raises:
+        ProtocolError: anything but `[uint id, short str op, map with str keys]`; its
+            `request_id` attribute holds the id when that much was readable, else None.
+    """
+    if type(obj) is not list or len(obj) != 3:
+        request_id = obj[0] if type(obj) is list and obj and _is_request_id(obj[0]) else None
+        raise _protocol_error("a request is [request_id, op, args]", request_id)
+    request_id, op, args = obj
+    if not _is_request_id(request_id):
+        raise _protocol_error(f"request_id must be an int in [0, 2**64), got {request_id!r:.80}")
+    if type(op) is not str or not 0 < len(op) <= MAX_OP_NBYTES:
+        raise _protocol_error(f"op must be a non-empty string of at most {MAX_OP_NBYTES} "
+                              f"characters, got {op!r:.80}", request_id)
+    if type(args) is not dict or not all(type(key) is str for key in args):
+        raise _protocol_error("args must be a map with string keys", request_id)
+    return Request(request_id, op, args)
+
+
+def parse_reply(obj: Any) -> tuple[int, Any]:
+    """Check a decoded reply; return `(request_id, result)` or raise the error it carries.
+
+    Raises:
+        KvdError: the mapped subclass for an error reply, with `request_id` set on it.
+        ProtocolError: the reply is malformed.
+    """
+    if type(obj) is not list or len(obj) != 3 or type(obj[1]) is not bool:
+        raise _protocol_error("a reply is [request_id, ok, result_or_error]")
+    request_id, is_ok, payload = obj
+    if not (_is_request_id(request_id) or (request_id is None and not is_ok)):
+        raise _protocol_error(f"reply request_id must be an int in [0, 2**64), got {request_id!r:.80}")
+    if is_ok:
+        return request_id, payload
+    if (type(payload) is not list or len(payload) != 2
+            or type(payload[0]) is not str or type(payload[1]) is not str):
+        raise _protocol_error("an error reply carries [CODE, message]", request_id)
+    exc = error_from_wire(payload[0], payload[1])
+    exc.request_id = request_id  # type: ignore[attr-defined]
+    raise exc
+
+
+# --- argument validators (used by the daemon's op handlers) -----------------------------------
+
+def _default(name: str, default: Any) -> Any:
+    if default is _REQUIRED:
+        raise BadArgsError(f"missing argument {name!r}")
+    return default
+
+
+def _range_text(min_value: int, max_value: int | None) -> str:
+    return f">= {min_value}" if max_value is None else f"in [{min_value}, {max_value}]"
+
+
+def arg_int(args: dict[str, Any], name: str, min_value: int = 0, max_value: int | None = None,
+            default: Any = _REQUIRED) -> int:
+    """An int (not bool) in [min_value, max_value]; `default` if absent (required otherwise)."""
+    if name not in args:
+        return _default(name, default)
+    value = args[name]
+    if type(value) is not int or value < min_value or (max_value is not None and value > max_value):
+        raise BadArgsError(f"{name} must be an int {_range_text(min_value, max_value)}, "
+                           f"got {value!r:.80}")
+    return value
+
+
+def arg_int_list(args: dict[str, Any], name: str, max_len: int,
+                 max_value: int | None = None) -> list[int]:
+    """A list of at most `max_len` ints (not bools) in [0, max_value]."""
+    value = args[name] if name in args else _default(name, _REQUIRED)
+    if type(value) is not list or len(value) > max_len:
+        raise BadArgsError(f"{name} must be a list of at most {max_len} ints, got "
+                           f"{_describe(value)}")
+    if value and (not all(type(item) is int for item in value) or min(value) < 0
+                  or (max_value is not None and max(value) > max_value)):
+        raise BadArgsError(f"{name} must hold only ints {_range_text(0, max_value)}")
+    return value
+
+
+def arg_bytes(args: dict[str, Any], name: str, max_nbytes: int, default: Any = _REQUIRED) -> bytes:
+    """A binary string of at most `max_nbytes` bytes; `default` if absent (required otherwise)."""
+    if name not in args:
+        return _default(name, default)
+    value = args[name]
+    if type(value) is not bytes or len(value) > max_nbytes:
+        raise BadArgsError(f"{name} must be binary of at most {max_nbytes} bytes, got "
+                           f"{_describe(value)}")
+    return value
+
+
+def arg_bytes_list(args: dict[str, Any], name: str, max_len: int,
+                   item_nbytes: int | None = None) -> list[bytes]:
+    """A list of at most `max_len` binary strings, each exactly `item_nbytes` long if given."""
+    value = args[name] if name in args else _default(name, _REQUIRED)
+    if type(value) is not list or len(value) > max_len:
+        raise BadArgsError(f"{name} must be a list of at most {max_len} binary strings, got "
+                           f"{_describe(value)}")
+    if not all(type(item) is bytes for item in value):
+        raise BadArgsError(f"{name} must hold only binary strings (msgpack bin, Python bytes)")
+    if item_nbytes is not None and any(len(item) != item_nbytes for item in value):
+        raise BadArgsError(f"every item of {name} must be exactly {item_nbytes} bytes")
+    return value
+
+
+def arg_str(args: dict[str, Any], name: str, max_len: int, default: Any = _REQUIRED) -> str:
+    """A string of at most `max_len` characters; `default` if absent (required otherwise)."""
+    if name not in args:
+        return _default(name, default)
+    value = args[name]
+    if type(value) is not str or len(value) > max_len:
+        raise BadArgsError(f"{name} must be a string of at most {max_len} characters, got "
+                           f"{_describe(value)}")
+    return value
+
+
+def arg_bool(args: dict[str, Any], name: str, default: Any = _REQUIRED) -> bool:
+    """A bool; `default` if absent (required otherwise)."""
+    if name not in args:
+        return _default(name, default)
+    value = args[name]
+    if type(value) is not bool:
+        raise BadArgsError(f"{name} must be true or false, got {_describe(value)}")
+    return value
+
+
+def check_no_extra(args: dict[str, Any], allowed: frozenset[str] | set[str] | tuple[str, ...]) -> None:
+    """Raise BadArgsError naming any argument not in `allowed`."""
+    extra = set(args).difference(allowed)
+    if extra:
+        raise BadArgsError(f"unknown arguments {sorted(extra)}; valid: {sorted(allowed)}")
+
+
+def _describe(value: Any) -> str:
+    if type(value) in (list, bytes, str):
+        return f"{type(value).__name__} of length {len(value)}"
+    return f"{value!r:.80}"

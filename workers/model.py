@@ -1,0 +1,307 @@
+"""A small decoder-only transformer in NumPy whose KV cache is a pluggable store.
+
+Theory of operation
+-------------------
+The model is a Llama-shaped decoder: token embedding → `num_layers` × (RMSNorm → grouped-query
+attention with RoPE → residual, RMSNorm → SwiGLU MLP → residual) → RMSNorm → LM head (tied to the
+embedding by default). Weights are random, drawn from a fixed seed, so every process that builds
+the same `ModelConfig` holds bit-identical weights — that is what lets one worker reuse another's
+K/V.
+
+The math never knows where K/V lives. `DecoderLM.forward(token_ids, start_pos, kv)` computes the
+queries, keys and values of tokens [start_pos, start_pos + T), hands K/V to `kv.write`, then reads
+the keys and values of every position [0, start_pos + T) back through `kv.read` and attends over
+them. Reading back what was written (rather than using the fresh float32 K/V) keeps a token's
+attention identical whether its own K/V was computed now or cached earlier, also for float16
+stores. Two stores implement that protocol:
+
+* `ContiguousKV` — one growing array per layer: the reference (test oracle).
+* `PagedKV` — a block table over a pool array of shape
+  `(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)`, the kvd layout. A write
+  scatters T tokens with one fancy-index assignment; a read gathers a layer's blocks with one
+  fancy index (`pool[block_ids, layer]`) and flattens them to `(num_blocks * block_size, H, D)`.
+  Positions below `num_frozen_tokens` belong to cached (sealed, shared, read-only) blocks: writes
+  there are dropped, because the bytes are already the K/V this model would compute.
+
+One `forward` serves prefill (T tokens, a batched matmul with a causal mask offset by
+`start_pos`) and decode (T = 1, no mask needed). Compute is float32 whatever the storage dtype;
+float16 and bfloat16 stores round on write (bfloat16 is stored as uint16 words, as in kvd).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from kvd.errors import BadArgsError
+
+K, V = 0, 1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and seed of the model; `num_heads` must be a multiple of `num_kv_heads` (GQA)."""
+
+    num_layers: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    num_heads: int = 4
+    vocab_size: int = 512
+    ffn_dim: int = 256
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    tie_embeddings: bool = False   # tied heads make a random model repeat its input token
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise BadArgsError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                               f"({self.num_kv_heads}) for grouped-query attention")
+        if self.head_dim % 2:
+            raise BadArgsError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def model_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+
+class KVStore(Protocol):
+    """Where a sequence's K/V lives: `write` then `read` per layer, positions in tokens."""
+
+    def write(self, layer: int, start_pos: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """Store K/V (T, num_kv_heads, head_dim) for positions [start_pos, start_pos + T)."""
+
+    def read(self, layer: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of positions [0, num_tokens) as float32 (num_tokens, num_kv_heads, head_dim)."""
+
+
+def to_storage(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Round float32 `x` to a store's dtype; uint16 means bfloat16 words (round to nearest even)."""
+    if dtype != np.uint16:
+        return x.astype(dtype, copy=False)
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return ((bits + rounding) >> np.uint32(16)).astype(np.uint16)
+
+
+def from_storage(x: np.ndarray) -> np.ndarray:
+    """A store's values as float32 (bfloat16 words are shifted into the high half)."""
+    if x.dtype != np.uint16:
+        return x.astype(np.float32, copy=False)
+    return (x.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+class ContiguousKV:
+    """The reference store: per layer, one array of `capacity` positions."""
+
+    def __init__(self, config: ModelConfig, capacity: int, dtype: np.dtype | str = np.float32):
+        shape = (config.num_layers, 2, capacity, config.num_kv_heads, config.head_dim)
+        self.cache = np.zeros(shape, dtype=dtype)
+
+    def write(self, layer: int, start_pos: int, keys: np.ndarray, values: np.ndarray) -> None:
+        end = start_pos + len(keys)
+        self.cache[layer, K, start_pos:end] = to_storage(keys, self.cache.dtype)
+        self.cache[layer, V, start_pos:end] = to_storage(values, self.cache.dtype)
+
+    def read(self, layer: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        kv = from_storage(self.cache[layer, :, :num_tokens])
+        return kv[K], kv[V]
+
+
+class PagedKV:
+    """A sequence's K/V in fixed-size blocks of a shared pool, addressed through a block table.
+
+    Args:
+        pool: (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim) array.
+        block_ids: the block table, block i holding positions [i*B, (i+1)*B). The list is kept by
+            reference: a caller that grows it in place (kvd's `Sequence.block_ids`) is seen here.
+        num_frozen_tokens: positions below this are in cached read-only blocks; writes skip them.
+    """
+
+    def __init__(self, pool: np.ndarray, block_ids: list[int], num_frozen_tokens: int = 0):
+        if pool.ndim != 6 or pool.shape[2] != 2:
+            raise BadArgsError(f"pool must have shape (num_blocks, num_layers, 2, block_size, "
+                               f"num_kv_heads, head_dim), got {pool.shape}")
+        self.pool = pool
+        self.block_ids = block_ids
+        self.block_size = pool.shape[3]
+        self.num_frozen_tokens = num_frozen_tokens
+
+    def check_config(self, config: ModelConfig) -> None:
+        """Raise BadArgsError unless the pool's block shape fits `config`."""
+        expected = (config.num_layers, config.num_kv_heads, config.head_dim)
+        actual = (self.pool.shape[1], self.pool.shape[4], self.pool.shape[5])
+        if actual != expected:
+            raise BadArgsError(f"pool holds (layers, kv heads, head dim) = {actual} but the model "
+                               f"needs {expected}: start kvd with matching --layers/--kv-heads/"
+                               "--head-dim")
+
+    def write(self, layer: int, start_pos: int, keys: np.ndarray, values: np.ndarray) -> None:
+        skip = max(0, self.num_frozen_tokens - start_pos)
+        positions = np.arange(start_pos + skip, start_pos + len(keys))
+        if positions.size == 0:
+            return
+        table = np.asarray(self.block_ids[:positions[-1] // self.block_size + 1])
+        rows = table[positions // self.block_size]
+        offsets = positions % self.block_size
+        self.pool[rows, layer, K, offsets] = to_storage(keys[skip:], self.pool.dtype)
+        self.pool[rows, layer, V, offsets] = to_storage(values[skip:], self.pool.dtype)
+
+    def read(self, layer: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        num_blocks = -(-num_tokens // self.block_size)
+        blocks = self.pool[np.asarray(self.block_ids[:num_blocks]), layer]  # (n, 2, B, H, D)
+        kv = from_storage(blocks.swapaxes(0, 1).reshape(2, num_blocks * self.block_size,
+                                                        *blocks.shape[3:]))
+        return kv[K, :num_tokens], kv[V, :num_tokens]
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    attn_norm: np.ndarray   # (model_dim,)
+    wq: np.ndarray          # (model_dim, num_heads * head_dim)
+    wk: np.ndarray          # (model_dim, num_kv_heads * head_dim)
+    wv: np.ndarray          # (model_dim, num_kv_heads * head_dim)
+    wo: np.ndarray          # (num_heads * head_dim, model_dim)
+    mlp_norm: np.ndarray    # (model_dim,)
+    w_gate: np.ndarray      # (model_dim, ffn_dim)
+    w_up: np.ndarray        # (model_dim, ffn_dim)
+    w_down: np.ndarray      # (ffn_dim, model_dim)
+
+
+def _dense(rng: np.random.Generator, fan_in: int, fan_out: int) -> np.ndarray:
+    # 1/sqrt(fan_in) keeps activations O(1) through the stack, so logits are not degenerate.
+    return (rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)).astype(np.float32)
+
+
+def _norm_gain(rng: np.random.Generator, dim: int) -> np.ndarray:
+    return (1.0 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
+
+
+def _layer_weights(rng: np.random.Generator, c: ModelConfig) -> LayerWeights:
+    kv_dim = c.num_kv_heads * c.head_dim
+    return LayerWeights(
+        attn_norm=_norm_gain(rng, c.model_dim), wq=_dense(rng, c.model_dim, c.model_dim),
+        wk=_dense(rng, c.model_dim, kv_dim), wv=_dense(rng, c.model_dim, kv_dim),
+        wo=_dense(rng, c.model_dim, c.model_dim), mlp_norm=_norm_gain(rng, c.model_dim),
+        w_gate=_dense(rng, c.model_dim, c.ffn_dim), w_up=_dense(rng, c.model_dim, c.ffn_dim),
+        w_down=_dense(rng, c.ffn_dim, c.model_dim),
+    )
+
+
+def rms_norm(x: np.ndarray, gain: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * gain
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+class DecoderLM:
+    """The transformer; `forward` runs prefill (T > 1) or decode (T == 1) against any KVStore."""
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+        rng = np.random.default_rng(config.seed)
+        self.embedding = rng.standard_normal((config.vocab_size, config.model_dim)).astype(np.float32)
+        self.layers = [_layer_weights(rng, config) for _ in range(config.num_layers)]
+        self.final_norm = _norm_gain(rng, config.model_dim)
+        self.lm_head = (self.embedding.T / np.sqrt(config.model_dim) if config.tie_embeddings
+                        else _dense(rng, config.model_dim, config.vocab_size))
+        half = config.head_dim // 2
+        self.inv_freq = config.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
+
+    def forward(self, token_ids: np.ndarray, start_pos: int, kv: KVStore) -> np.ndarray:
+        """Logits (T, vocab_size) of tokens at positions [start_pos, start_pos + T).
+
+        K/V of positions below `start_pos` must already be in `kv`; this call writes the rest.
+        """
+        token_ids = np.asarray(token_ids)
+        if token_ids.ndim != 1 or token_ids.size == 0:
+            raise BadArgsError(f"token_ids must be a non-empty 1-D array, got shape {token_ids.shape}")
+        c = self.config
+        x = self.embedding[token_ids]
+        cos, sin = self._rope(start_pos, len(token_ids))
+        mask = self._causal_mask(start_pos, len(token_ids))
+        for layer, w in enumerate(self.layers):
+            x = x + self._attention(layer, w, rms_norm(x, w.attn_norm, c.rms_eps),
+                                    start_pos, kv, cos, sin, mask)
+            h = rms_norm(x, w.mlp_norm, c.rms_eps)
+            x = x + (silu(h @ w.w_gate) * (h @ w.w_up)) @ w.w_down
+        return rms_norm(x, self.final_norm, c.rms_eps) @ self.lm_head
+
+    def _rope(self, start_pos: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        angles = np.arange(start_pos, start_pos + num_tokens)[:, None] * self.inv_freq
+        # (T, 1, D/2): broadcast over heads.
+        return (np.cos(angles).astype(np.float32)[:, None, :],
+                np.sin(angles).astype(np.float32)[:, None, :])
+
+    @staticmethod
+    def _causal_mask(start_pos: int, num_tokens: int) -> np.ndarray | None:
+        """Additive (T, start_pos + T) mask: query t sees keys at positions <= start_pos + t."""
+        if num_tokens == 1:
+            return None
+        keys = np.arange(start_pos + num_tokens)
+        queries = np.arange(start_pos, start_pos + num_tokens)
+        return np.where(keys[None, :] > queries[:, None], -np.inf, 0.0).astype(np.float32)
+
+    @staticmethod
+    def _apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+    def _attention(self, layer: int, w: LayerWeights, h: np.ndarray, start_pos: int,
+                   kv: KVStore, cos: np.ndarray, sin: np.ndarray,
+                   mask: np.ndarray | None) -> np.ndarray:
+        c = self.config
+        num_tokens = len(h)
+        q = self._apply_rope((h @ w.wq).reshape(num_tokens, c.num_heads, c.head_dim), cos, sin)
+        k = self._apply_rope((h @ w.wk).reshape(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
+        v = (h @ w.wv).reshape(num_tokens, c.num_kv_heads, c.head_dim)
+        kv.write(layer, start_pos, k, v)
+        keys, values = kv.read(layer, start_pos + num_tokens)           # (S, Hkv, D)
+        # GQA: query head j uses KV head j // group_size; group the queries instead of
+        # repeating K/V, so the matmul batches over KV heads: (Hkv, G*T, D) @ (Hkv, D, S).
+        q = q.reshape(num_tokens, c.num_kv_heads, c.group_size, c.head_dim)
+        q = q.transpose(1, 2, 0, 3).reshape(c.num_kv_heads, c.group_size * num_tokens, c.head_dim)
+        scores = q @ keys.transpose(1, 2, 0) * np.float32(1.0 / np.sqrt(c.head_dim))
+        if mask is not None:
+            scores = scores.reshape(c.num_kv_heads, c.group_size, num_tokens, -1) + mask
+            scores = scores.reshape(c.num_kv_heads, c.group_size * num_tokens, -1)
+        out = softmax(scores) @ values.transpose(1, 0, 2)                # (Hkv, G*T, D)
+        out = out.reshape(c.num_kv_heads, c.group_size, num_tokens, c.head_dim)
+        return out.transpose(2, 0, 1, 3).reshape(num_tokens, c.model_dim) @ w.wo
+
+    def generate(self, prompt: np.ndarray, num_new_tokens: int,
+                 kv: KVStore, num_cached_tokens: int = 0) -> tuple[list[int], list[np.ndarray]]:
+        """Greedy decoding with a private store; returns new tokens and each step's logits.
+
+        The kvd worker interleaves the same steps with sequence calls (workers/attention.py).
+        """
+        step_logits = [self.prefill(prompt, num_cached_tokens, kv)]
+        tokens = [int(np.argmax(step_logits[0]))]
+        for pos in range(len(prompt), len(prompt) + num_new_tokens - 1):
+            step_logits.append(self.forward(np.array(tokens[-1:]), pos, kv)[0])
+            tokens.append(int(np.argmax(step_logits[-1])))
+        return tokens, step_logits
+
+    def prefill(self, prompt: np.ndarray, num_cached_tokens: int, kv: KVStore) -> np.ndarray:
+        """Logits of the prompt's last token, computing K/V only past the cached prefix.
+
+        A fully cached prompt still needs its last token's query, so that token is recomputed
+        (its K/V write lands in a frozen block and is dropped by PagedKV).
+        """
+        start = min(num_cached_tokens, len(prompt) - 1)
+        return self.forward(np.asarray(prompt[start:]), start, kv)[-1]

@@ -50,6 +50,16 @@ FREE, OWNED, SEALED, CACHED = 0, 1, 2, 3
 STATE_NAMES = ("free", "owned", "sealed", "cached")
 
 
+def _check_key(key: Hashable) -> None:
+    """A content key must be hashable and not None (None marks a block without content)."""
+    try:
+        hash(key)
+    except TypeError:
+        raise BadArgsError(f"block hash {key!r} is not hashable: pass bytes") from None
+    if key is None:
+        raise BadArgsError("block hash None is not a content hash: pass bytes")
+
+
 class BlockPool:
     """Metadata of one pool of equally shaped blocks."""
 
@@ -133,10 +143,12 @@ class BlockPool:
 
         All or nothing: returns None (and evicts nothing) when free + evictable < num_blocks.
         """
-        if num_blocks < 0:
-            raise BadArgsError(f"cannot allocate a negative number of blocks ({num_blocks})")
+        if not isinstance(num_blocks, int) or num_blocks < 0:
+            raise BadArgsError(f"allocate needs a non-negative int block count, got {num_blocks!r}")
         if num_blocks > len(self._free) + len(self.policy):
             return None
+        if not num_blocks:
+            return []  # and no empty holdings entry for an owner that holds nothing
         while len(self._free) < num_blocks:
             self._evict_one()
         held = self._held.setdefault(owner, {})
@@ -187,6 +199,8 @@ class BlockPool:
                                  "can be sealed (sealed blocks are immutable)")
         if len(set(block_ids)) != len(block_ids):
             raise BadArgsError("seal names the same block twice")
+        for key in keys:
+            _check_key(key)
         indexed = []
         for block_id, key in zip(block_ids, keys):
             self._state[block_id] = SEALED
@@ -273,11 +287,12 @@ class BlockPool:
         held = self._held.pop(owner, None)
         if not held:
             return 0
+        num_touched = len(held)  # _unpin empties `held` as it goes
         # Highest id first approximates "tail first" for chains allocated in one batch.
         for block_id in sorted(held, reverse=True):
             for _ in range(held[block_id]):
                 self._unpin(block_id, held)
-        return len(held)
+        return num_touched
 
     def _unpin(self, block_id: int, held: dict[int, int]) -> None:
         pins = held[block_id] - 1
@@ -321,8 +336,12 @@ class BlockPool:
                                 "(free, owned, sealed, cached)")
         if len(set(self._free)) != len(self._free):
             raise InternalError("a block is on the free list twice")
+        if any(self._state[block_id] != FREE for block_id in self._free):
+            raise InternalError("a block on the free list is not free")
         pins = [0] * self.num_blocks
         for owner, held in self._held.items():
+            if not held:
+                raise InternalError(f"owner {owner} is listed but holds no block")
             for block_id, count in held.items():
                 if count <= 0:
                     raise InternalError(f"owner {owner} holds block {block_id} {count} times")

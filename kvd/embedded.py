@@ -112,7 +112,7 @@ class PagedKVCache:
             "utilization": f"{100.0 * used / self.num_blocks:.1f}%",
             "hits": self.hits,
             "misses": self.misses,
-            "evictions": self._pool.counters["evicted"],
+            "evictions": self._pool.counters["evictions"],
             "policy": self._pool.policy.name,
         }
 

@@ -92,7 +92,8 @@ class BlockPool:
         self._held: dict[int, dict[int, int]] = {}
         self._num_owned = 0
         self._num_sealed = 0
-        self.counters = {"allocated": 0, "evicted": 0, "sealed": 0, "lookups": 0,
+        # Cumulative; named apart from the state counts (an "evictions" total, "cached" now).
+        self.counters = {"allocations": 0, "evictions": 0, "seals": 0, "lookups": 0,
                          "lookup_blocks": 0, "hit_blocks": 0}
 
     # ---- queries -------------------------------------------------------------------------
@@ -159,7 +160,7 @@ class BlockPool:
             refs[block_id] = 1
             held[block_id] = 1
         self._num_owned += num_blocks
-        self.counters["allocated"] += num_blocks
+        self.counters["allocations"] += num_blocks
         return block_ids
 
     def _evict_one(self) -> None:
@@ -171,7 +172,7 @@ class BlockPool:
                 f"(block {block_id}): bug in the policy or in the pool's event calls")
         self._hashes[block_id] = None
         self._to_free(block_id)
-        self.counters["evicted"] += 1
+        self.counters["evictions"] += 1
 
     def _to_free(self, block_id: int) -> None:
         self._state[block_id] = FREE
@@ -211,22 +212,21 @@ class BlockPool:
             indexed.append(is_new)
         self._num_owned -= len(block_ids)
         self._num_sealed += len(block_ids)
-        self.counters["sealed"] += len(block_ids)
+        self.counters["seals"] += len(block_ids)
         return indexed
 
     def lookup(self, keys: Iterable[Hashable], owner: int) -> list[int]:
         """Pin for `owner` the blocks of the longest prefix of `keys` that is cached."""
+        keys = list(keys)
         block_ids = []
-        num_asked = 0
         for key in keys:
-            num_asked += 1
             block_id = self._index.get(key)
             if block_id is None:
                 break
             block_ids.append(block_id)
         self._pin_sealed(block_ids, owner, count_access=True)
         self.counters["lookups"] += 1
-        self.counters["lookup_blocks"] += num_asked
+        self.counters["lookup_blocks"] += len(keys)
         self.counters["hit_blocks"] += len(block_ids)
         return block_ids
 

@@ -116,7 +116,7 @@ def test_allocate_hands_out_distinct_owned_blocks(policy):
     assert all(pool.state(i) == "owned" and pool.ref_count(i) == 1 for i in block_ids)
     assert pool.holdings(A) == {i: 1 for i in block_ids}
     assert (pool.num_free, pool.num_owned) == (2, 4)
-    assert pool.stats()["allocated"] == 4
+    assert pool.stats()["allocations"] == 4
 
 
 def test_allocate_zero_returns_empty_and_registers_no_owner():
@@ -181,7 +181,7 @@ def test_lookup_returns_the_longest_cached_prefix_only(policy):
     pool.allocate(1, B)  # evicts the chain's tail
     assert pool.lookup([b"k0", b"k1", b"k2", b"k3"], A) == [first, second]
     stats = pool.stats()
-    assert (stats["lookups"], stats["lookup_blocks"], stats["hit_blocks"]) == (1, 3, 2)
+    assert (stats["lookups"], stats["lookup_blocks"], stats["hit_blocks"]) == (1, 4, 2)  # all 4 asked, 2 hit
 
 
 def test_lookup_stops_at_first_miss_even_if_later_keys_are_cached(policy):
@@ -285,7 +285,7 @@ def test_allocation_evicts_cached_blocks_and_bumps_their_generation(policy):
     assert pool.find(b"k0") is None and pool.find(b"k1") is None
     assert all(pool.block_hash(i) is None and pool.state(i) == "owned" for i in block_ids)
     assert pool.generations.tolist() == [1, 1]
-    assert pool.stats()["evicted"] == 2 and len(pool.policy) == 0
+    assert pool.stats()["evictions"] == 2 and len(pool.policy) == 0
 
 
 def test_allocation_uses_free_blocks_before_evicting(policy):
@@ -293,7 +293,7 @@ def test_allocation_uses_free_blocks_before_evicting(policy):
     cached_chain(pool, [b"k0", b"k1"])
     pool.allocate(1, B)
     assert pool.find(b"k0") is not None and pool.find(b"k1") is not None
-    assert pool.stats()["evicted"] == 0
+    assert pool.stats()["evictions"] == 0
 
 
 def test_allocation_short_returns_none_and_evicts_nothing(policy):

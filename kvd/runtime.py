@@ -1,0 +1,86 @@
+"""Where a named daemon lives: runtime directory, socket, lock, pidfile, segment and state names.
+
+Every path derives from the daemon's *name* so `kvd start --name x`, `kvd stop --name x` and
+`kvd.connect("x")` agree without configuration. The runtime directory is private (0700) and must
+be owned by us: the socket and lock inside it are then reachable by our user only.
+
+    $XDG_RUNTIME_DIR/kvd/  (else /tmp/kvd-<uid>/)
+        <name>.sock   Unix socket (0600)
+        <name>.lock   flock held by the live daemon: the single-instance guard, taken before the
+                      socket path is touched
+        <name>.pid    pid of the live daemon
+    /dev/shm/kvd-<uid>-<name>             the segment
+    $XDG_STATE_HOME/kvd/<name>/ (else ~/.local/state/kvd/<name>/)   the journal (crash recovery)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvd.errors import BadArgsError, DeniedError
+
+DEFAULT_NAME = "default"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+MAX_SOCKET_PATH_NBYTES = 107  # sun_path is 108 bytes including the terminating NUL
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise BadArgsError(f"daemon name {name!r} must be 1-64 characters of letters, digits, "
+                           "'_', '.', '-', starting with a letter or digit")
+    return name
+
+
+def runtime_dir() -> Path:
+    """The private runtime directory, created 0700 if missing; refused if others can use it."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = Path(base) / "kvd" if base else Path(f"/tmp/kvd-{os.getuid()}")
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise DeniedError(f"{path} is not a directory owned by uid {os.getuid()}: remove it or "
+                          "set XDG_RUNTIME_DIR to a private directory")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def state_dir(name: str) -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return Path(base) / "kvd" / check_name(name)
+
+
+@dataclass(frozen=True)
+class DaemonPaths:
+    name: str
+    socket_path: str
+    lock_path: str
+    pid_path: str
+    segment_name: str
+
+    @classmethod
+    def for_name(cls, name: str = DEFAULT_NAME, socket_path: str | None = None) -> DaemonPaths:
+        check_name(name)
+        directory = runtime_dir()
+        socket_path = socket_path or str(directory / f"{name}.sock")
+        if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH_NBYTES:
+            raise BadArgsError(f"socket path {socket_path!r} is longer than "
+                               f"{MAX_SOCKET_PATH_NBYTES} bytes (the Unix limit): use a shorter "
+                               "--name, --socket or XDG_RUNTIME_DIR")
+        return cls(name=name, socket_path=socket_path,
+                   lock_path=str(directory / f"{name}.lock"),
+                   pid_path=str(directory / f"{name}.pid"),
+                   segment_name=f"/kvd-{os.getuid()}-{name}")
+
+
+def resolve_socket(name_or_socket_path: str | None) -> str:
+    """`kvd.connect`'s argument → a socket path: a path (contains '/') or a daemon name."""
+    if name_or_socket_path is None:
+        name_or_socket_path = os.environ.get("KVD_NAME", DEFAULT_NAME)
+    if "/" in name_or_socket_path:
+        return name_or_socket_path
+    return DaemonPaths.for_name(name_or_socket_path).socket_path

@@ -1,0 +1,220 @@
+"""The request handlers: sessions and every wire op, over the pool and the page table. No I/O.
+
+Theory of operation
+-------------------
+The daemon's event loop decodes a request and calls `Service.handle(session, op, args)`; whatever
+that returns is the result, whatever KvdError it raises becomes the error reply. Everything here
+runs on the loop's one thread, so a handler is atomic with respect to every other client.
+
+Each handler validates its arguments completely before it changes anything, so a bad request
+gets BAD_ARGS (or NOT_FOUND, IN_USE, NO_SPACE) and leaves the state exactly as it was.
+
+Sessions: a session is one connection. It must say `hello` (protocol version) first. Its raw
+`alloc`/`lookup`/`pin` pins are held under the session's pool owner id; each sequence it opens
+holds its pins under an owner id of its own. `close_session` — on EOF, on the peer's pidfd
+firing, on a protocol error, on shutdown — closes its sequences (tail first) and releases
+everything else, which is what makes a SIGKILLed worker's blocks come back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvd.errors import BadArgsError, NoSpaceError, NotFoundError, ProtocolError, VersionError
+from kvd.geometry import Geometry
+from kvd.hashing import HASH_VERSION
+from kvd.page_table import PageTable, SequenceRecord
+from kvd.pool import BlockPool
+from kvd.protocol import (
+    PROTOCOL_VERSION, arg_bool, arg_bytes, arg_bytes_list, arg_int, arg_int_list, check_no_extra,
+)
+
+MAX_BATCH = 1 << 16  # ids or hashes per request
+MAX_KEY_NBYTES = 64  # a content hash; kvd.hash_blocks makes 16
+MAX_SALT_NBYTES = 256
+
+
+@dataclass
+class Session:
+    session_id: int
+    pid: int
+    uid: int
+    is_ready: bool = False  # said hello
+    seq_ids: set[int] = field(default_factory=set)
+
+
+class Service:
+    """Sessions, sequences and the wire ops of one pool."""
+
+    def __init__(self, pool: BlockPool, geometry: Geometry,
+                 copy_block: Callable[[int, int], None], info: dict[str, Any]) -> None:
+        """Args:
+            info: facts `hello` returns besides geometry (segment name, uuid, daemon pid, ...).
+        """
+        self.pool = pool
+        self.geometry = geometry
+        self.info = info
+        self._ids = itertools.count(1)  # session ids and pool owner ids share one space
+        self.page_table = PageTable(pool, geometry.block_size, lambda: next(self._ids), copy_block)
+        self.sessions: dict[int, Session] = {}
+        self.started_at = time.time()
+        self.counters = {"sessions_opened": 0, "sessions_closed": 0}
+        self._ops: dict[str, Callable[[Session, dict[str, Any]], Any]] = {
+            "hello": self._hello, "alloc": self._alloc, "seal": self._seal,
+            "lookup": self._lookup, "release": self._release, "pin": self._pin,
+            "stats": self._stats, "seq_open": self._seq_open, "seq_extend": self._seq_extend,
+            "seq_commit": self._seq_commit, "seq_fork": self._seq_fork,
+            "seq_close": self._seq_close, "seq_info": self._seq_info,
+        }
+
+    @property
+    def op_names(self) -> list[str]:
+        return list(self._ops)
+
+    # ---- sessions ------------------------------------------------------------------------
+    def open_session(self, pid: int, uid: int) -> Session:
+        session = Session(next(self._ids), pid, uid)
+        self.sessions[session.session_id] = session
+        self.counters["sessions_opened"] += 1
+        return session
+
+    def close_session(self, session: Session) -> None:
+        """Release everything the session holds; safe to call twice."""
+        if self.sessions.pop(session.session_id, None) is None:
+            return
+        for seq_id in sorted(session.seq_ids, reverse=True):
+            self.page_table.close(self.page_table.sequences[seq_id])
+        session.seq_ids.clear()
+        self.pool.release_owner(session.session_id)
+        self.counters["sessions_closed"] += 1
+
+    def handle(self, session: Session, op: str, args: dict[str, Any]) -> Any:
+        """Run one request. Raises a KvdError for the error reply (UNKNOWN_OP, BAD_ARGS, ...)."""
+        handler = self._ops.get(op)
+        if handler is None:
+            from kvd.errors import UnknownOpError
+            raise UnknownOpError(f"unknown op {op!r}: valid ops are {', '.join(self._ops)}")
+        if not session.is_ready and op != "hello":
+            raise ProtocolError(f"say hello (protocol version {PROTOCOL_VERSION}) before {op!r}")
+        return handler(session, args)
+
+    # ---- ops -----------------------------------------------------------------------------
+    def _hello(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        check_no_extra(args, ("version", "pid"))
+        version = arg_int(args, "version")
+        if version != PROTOCOL_VERSION:
+            raise VersionError(f"client speaks protocol {version}, daemon speaks "
+                               f"{PROTOCOL_VERSION}: install matching kvd versions")
+        session.is_ready = True
+        return {"session_id": session.session_id, "protocol_version": PROTOCOL_VERSION,
+                "hash_version": HASH_VERSION, "geometry": self.geometry.to_dict(), **self.info}
+
+    def _block_ids(self, args: dict[str, Any]) -> list[int]:
+        return arg_int_list(args, "block_ids", MAX_BATCH, max_value=self.pool.num_blocks - 1)
+
+    def _hashes(self, args: dict[str, Any]) -> list[bytes]:
+        hashes = arg_bytes_list(args, "hashes", MAX_BATCH)
+        if any(not 0 < len(key) <= MAX_KEY_NBYTES for key in hashes):
+            raise BadArgsError(f"every hash must be 1 to {MAX_KEY_NBYTES} bytes (kvd.hash_blocks "
+                               "makes 16)")
+        return hashes
+
+    def _alloc(self, session: Session, args: dict[str, Any]) -> list[int]:
+        check_no_extra(args, ("num_blocks",))
+        num_blocks = arg_int(args, "num_blocks", 0, self.pool.num_blocks)
+        block_ids = self.pool.allocate(num_blocks, session.session_id)
+        if block_ids is None:
+            raise NoSpaceError(self.page_table._no_space(num_blocks))
+        return block_ids
+
+    def _seal(self, session: Session, args: dict[str, Any]) -> list[bool]:
+        check_no_extra(args, ("block_ids", "hashes"))
+        return self.pool.seal(self._block_ids(args), self._hashes(args), session.session_id)
+
+    def _lookup(self, session: Session, args: dict[str, Any]) -> list[int]:
+        check_no_extra(args, ("hashes",))
+        return self.pool.lookup(self._hashes(args), session.session_id)
+
+    def _release(self, session: Session, args: dict[str, Any]) -> None:
+        check_no_extra(args, ("block_ids",))
+        self.pool.release(self._block_ids(args), session.session_id)
+
+    def _pin(self, session: Session, args: dict[str, Any]) -> None:
+        check_no_extra(args, ("block_ids",))
+        self.pool.pin(self._block_ids(args), session.session_id)
+
+    def _stats(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        check_no_extra(args, ())
+        return self.stats()
+
+    def stats(self) -> dict[str, Any]:
+        pages = self.page_table.counters
+        return {
+            **self.pool.stats(), **self.counters, **pages,
+            "policy": self.pool.policy.name, "sessions": len(self.sessions),
+            "sequences": len(self.page_table.sequences),
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "geometry": self.geometry.to_dict(), "daemon_pid": os.getpid(),
+        }
+
+    # ---- sequences -----------------------------------------------------------------------
+    def _sequence(self, session: Session, args: dict[str, Any]) -> SequenceRecord:
+        seq_id = arg_int(args, "seq_id")
+        if seq_id not in session.seq_ids:
+            raise NotFoundError(f"sequence {seq_id} is not open in this session")
+        return self.page_table.sequences[seq_id]
+
+    def _tokens(self, args: dict[str, Any], name: str = "tokens") -> bytes:
+        tokens = arg_bytes(args, name, 1 << 24)
+        if len(tokens) % 4:
+            raise BadArgsError(f"{name} must be little-endian uint32 token ids (length a multiple "
+                               f"of 4 bytes), got {len(tokens)} bytes")
+        return tokens
+
+    @staticmethod
+    def _describe(record: SequenceRecord, **extra: Any) -> dict[str, Any]:
+        return {"seq_id": record.seq_id, "block_ids": record.block_ids,
+                "num_tokens": record.num_tokens, "num_sealed_blocks": record.num_sealed, **extra}
+
+    def _seq_open(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        check_no_extra(args, ("tokens", "salt", "max_cached_tokens"))
+        tokens = self._tokens(args)
+        salt = arg_bytes(args, "salt", MAX_SALT_NBYTES, b"")
+        max_cached = arg_int(args, "max_cached_tokens", 0, default=None)
+        record, num_cached = self.page_table.open(tokens, salt, max_cached)
+        session.seq_ids.add(record.seq_id)
+        return self._describe(record, num_cached_tokens=num_cached)
+
+    def _seq_extend(self, session: Session, args: dict[str, Any]) -> list[int]:
+        check_no_extra(args, ("seq_id", "tokens", "num_computed"))
+        record = self._sequence(session, args)
+        tokens = self._tokens(args)
+        num_computed = arg_int(args, "num_computed", 0, record.num_tokens, record.num_tokens)
+        return self.page_table.extend(record, tokens, num_computed)
+
+    def _seq_commit(self, session: Session, args: dict[str, Any]) -> int:
+        check_no_extra(args, ("seq_id", "num_computed"))
+        record = self._sequence(session, args)
+        num_computed = arg_int(args, "num_computed", 0, record.num_tokens, record.num_tokens)
+        return self.page_table.commit(record, num_computed)
+
+    def _seq_fork(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        check_no_extra(args, ("seq_id",))
+        child = self.page_table.fork(self._sequence(session, args))
+        session.seq_ids.add(child.seq_id)
+        return self._describe(child)
+
+    def _seq_close(self, session: Session, args: dict[str, Any]) -> None:
+        check_no_extra(args, ("seq_id",))
+        record = self._sequence(session, args)
+        session.seq_ids.discard(record.seq_id)
+        self.page_table.close(record)
+
+    def _seq_info(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        check_no_extra(args, ("seq_id",))
+        return self._describe(self._sequence(session, args))

@@ -30,6 +30,7 @@ float16 and bfloat16 stores round on write (bfloat16 is stored as uint16 words, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -284,24 +285,40 @@ class DecoderLM:
         out = out.reshape(c.num_kv_heads, c.group_size, num_tokens, c.head_dim)
         return out.transpose(2, 0, 1, 3).reshape(num_tokens, c.model_dim) @ w.wo
 
-    def generate(self, prompt: np.ndarray, num_new_tokens: int,
-                 kv: KVStore, num_cached_tokens: int = 0) -> tuple[list[int], list[np.ndarray]]:
-        """Greedy decoding with a private store; returns new tokens and each step's logits.
+    def generate(self, prompt: np.ndarray, num_new_tokens: int, kv: KVStore,
+                 num_cached_tokens: int = 0) -> tuple[list[int], list[np.ndarray]]:
+        """Greedy decoding: returns `num_new_tokens` new tokens and the logits that chose each."""
+        logits = self.prefill(prompt, num_cached_tokens, kv)
+        return self.decode(logits, len(prompt), num_new_tokens, kv)
 
-        The kvd worker interleaves the same steps with sequence calls (workers/attention.py).
+    def decode(self, logits: np.ndarray, start_pos: int, num_new_tokens: int, kv: KVStore,
+               append: Callable[[int], None] | None = None) -> tuple[list[int], list[np.ndarray]]:
+        """Greedy decode from the logits of position `start_pos - 1`.
+
+        `append(token_id)` is called before each new token's K/V is computed (kvd grows the
+        sequence's block table there); the last token is returned but never fed back.
         """
-        step_logits = [self.prefill(prompt, num_cached_tokens, kv)]
-        tokens = [int(np.argmax(step_logits[0]))]
-        for pos in range(len(prompt), len(prompt) + num_new_tokens - 1):
+        step_logits = [logits]
+        tokens = [int(np.argmax(logits))]
+        for pos in range(start_pos, start_pos + num_new_tokens - 1):
+            if append is not None:
+                append(tokens[-1])
             step_logits.append(self.forward(np.array(tokens[-1:]), pos, kv)[0])
             tokens.append(int(np.argmax(step_logits[-1])))
         return tokens, step_logits
 
-    def prefill(self, prompt: np.ndarray, num_cached_tokens: int, kv: KVStore) -> np.ndarray:
+    def prefill(self, prompt: np.ndarray, num_cached_tokens: int, kv: KVStore,
+                chunk_tokens: int = 512) -> np.ndarray:
         """Logits of the prompt's last token, computing K/V only past the cached prefix.
 
-        A fully cached prompt still needs its last token's query, so that token is recomputed
-        (its K/V write lands in a frozen block and is dropped by PagedKV).
+        Chunked prefill: at most `chunk_tokens` queries per forward bounds the (T, S) score
+        matrices of a long prompt. A fully cached prompt still needs its last token's query, so
+        that token is recomputed (its K/V write lands in a frozen block and PagedKV drops it).
         """
+        if chunk_tokens <= 0:
+            raise BadArgsError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        prompt = np.asarray(prompt)
         start = min(num_cached_tokens, len(prompt) - 1)
-        return self.forward(np.asarray(prompt[start:]), start, kv)[-1]
+        for chunk_start in range(start, len(prompt), chunk_tokens):
+            logits = self.forward(prompt[chunk_start:chunk_start + chunk_tokens], chunk_start, kv)
+        return logits[-1]

@@ -122,3 +122,14 @@ def test_geometry_mismatch_and_bad_config_are_typed_errors() -> None:
         ModelConfig(num_heads=6, num_kv_heads=4)
     with pytest.raises(BadArgsError, match="--layers"):
         PagedKV(_pool(ModelConfig(num_layers=2), 4), [0]).check_config(ModelConfig())
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 16, 1000])
+def test_chunked_prefill_equals_one_batch(chunk_tokens: int) -> None:
+    config = ModelConfig()
+    model = DecoderLM(config)
+    prompt = np.random.default_rng(9).integers(0, config.vocab_size, 50)
+    whole = model.prefill(prompt, 0, ContiguousKV(config, 64), chunk_tokens=1000)
+    paged = PagedKV(_pool(config, 8), [6, 0, 3, 5])
+    chunked = model.prefill(prompt, 0, paged, chunk_tokens=chunk_tokens)
+    assert np.abs(whole - chunked).max() <= 1e-5

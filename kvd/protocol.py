@@ -44,6 +44,7 @@ argument and the type or range it expected. msgpack hands back exact `int`, `byt
 from __future__ import annotations
 
 import struct
+from collections.abc import Collection
 from typing import Any, NamedTuple
 
 import msgpack
@@ -220,7 +221,8 @@ def parse_reply(obj: Any) -> tuple[int, Any]:
         raise _protocol_error("a reply is [request_id, ok, result_or_error]")
     request_id, is_ok, payload = obj
     if not (_is_request_id(request_id) or (request_id is None and not is_ok)):
-        raise _protocol_error(f"reply request_id must be an int in [0, 2**64), got {request_id!r:.80}")
+        raise _protocol_error(f"reply request_id must be an int in [0, 2**64), "
+                              f"got {request_id!r:.80}")
     if is_ok:
         return request_id, payload
     if (type(payload) is not list or len(payload) != 2
@@ -314,7 +316,7 @@ def arg_bool(args: dict[str, Any], name: str, default: Any = _REQUIRED) -> bool:
     return value
 
 
-def check_no_extra(args: dict[str, Any], allowed: frozenset[str] | set[str] | tuple[str, ...]) -> None:
+def check_no_extra(args: dict[str, Any], allowed: Collection[str]) -> None:
     """Raise BadArgsError naming any argument not in `allowed`."""
     extra = set(args).difference(allowed)
     if extra:

@@ -48,6 +48,7 @@ when any attaching process exits (CPython gh-82300).
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -58,7 +59,9 @@ from types import TracebackType
 import numpy as np
 import posix_ipc
 
-from kvd.errors import BadArgsError, DeniedError, InUseError, NoSpaceError, NotFoundError, VersionError
+from kvd.errors import (
+    BadArgsError, DeniedError, InUseError, NoSpaceError, NotFoundError, VersionError,
+)
 from kvd.geometry import Geometry
 
 MAGIC = b"KVDSEG\0\1"
@@ -131,6 +134,10 @@ class Segment:
         self._uuid = segment_uuid
         self._boot_id = boot_id
         self._generations_offset, self._pool_offset, self._nbytes = layout(geometry)
+        # Cached because Geometry computes them with np.prod (µs each) and block() is per view.
+        self._block_shape = geometry.block_shape
+        self._block_nbytes = geometry.block_nbytes
+        self._dtype = geometry.numpy_dtype
         self._is_unlinked = False
 
     # --- construction ----------------------------------------------------------------------
@@ -219,7 +226,7 @@ class Segment:
         if self._mmap is None:
             raise InUseError(f"segment {self._name} is closed: attach it again")
         buffer = memoryview(self._mmap).toreadonly() if readonly else self._mmap
-        count = int(np.prod(shape))
+        count = math.prod(shape)
         return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
 
     @property
@@ -247,9 +254,8 @@ class Segment:
         if not 0 <= block_id < self._geometry.num_blocks:
             raise BadArgsError(f"block_id must be in [0, {self._geometry.num_blocks}), "
                                f"got {block_id}")
-        offset = self._pool_offset + int(block_id) * self._geometry.block_nbytes
-        return self._array(offset, self._geometry.numpy_dtype, self._geometry.block_shape,
-                           readonly)
+        offset = self._pool_offset + int(block_id) * self._block_nbytes
+        return self._array(offset, self._dtype, self._block_shape, readonly)
 
     # --- identity --------------------------------------------------------------------------
 

@@ -125,7 +125,8 @@ def test_bfloat16_is_stored_as_uint16_and_float32_as_float32(name):
         with Segment.create(name + dtype, geometry) as created:
             created.unlink()
             assert created.pool.dtype == expected and created.block(0).dtype == expected
-            assert created.nbytes == layout(geometry)[1] + 3 * 2 * 2 * 4 * np.dtype(expected).itemsize
+            pool_nbytes = 3 * 2 * 2 * 4 * np.dtype(expected).itemsize
+            assert created.nbytes == layout(geometry)[1] + pool_nbytes
 
 
 @pytest.mark.parametrize("bad_id", [-1, 5, 2**70, 1.0, True, "0"])

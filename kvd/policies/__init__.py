@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from kvd.errors import BadArgsError
+from kvd.policies.arc import ARCPolicy
 from kvd.policies.base import EvictionPolicy
 from kvd.policies.lfu import LFUPolicy
 from kvd.policies.lru import LRUPolicy
+from kvd.policies.s3fifo import S3FIFOPolicy
+from kvd.policies.sieve import SIEVEPolicy
 
-POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRUPolicy, LFUPolicy)}
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    cls.name: cls for cls in (LRUPolicy, LFUPolicy, ARCPolicy, S3FIFOPolicy, SIEVEPolicy)
+}
 
 # What `kvd start` and `PagedKVCache` use when no policy is named.
 DEFAULT_POLICY = "lru"
@@ -28,4 +33,5 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     return cls(capacity)
 
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "EvictionPolicy", "LFUPolicy", "LRUPolicy", "make_policy"]
+__all__ = ["DEFAULT_POLICY", "POLICIES", "ARCPolicy", "EvictionPolicy", "LFUPolicy", "LRUPolicy",
+           "S3FIFOPolicy", "SIEVEPolicy", "make_policy"]

@@ -1,0 +1,107 @@
+"""S3-FIFO: a small probationary FIFO, a main FIFO with lazy promotion, and a ghost FIFO.
+
+Yang et al., "FIFO queues are all you need for cache eviction" (SOSP 2023).
+
+Theory of operation
+-------------------
+Most blocks of LLM traffic are used once (76% of the distinct blocks of the Mooncake
+conversation trace, ../shared/traces/SOURCES.md). S3-FIFO demotes them quickly: a new key enters
+the *small* queue S (10% of the pool); when S is over its share, its oldest key leaves —
+promoted to the *main* queue M if it was hit while in S, else evicted and remembered in the
+*ghost* queue G. A key that misses while in G was evicted too early, so it goes straight to M.
+M is a FIFO with lazy promotion (a two-bit counter, CLOCK-like): its oldest key is evicted when
+its counter is 0, else reinserted with the counter decremented.
+
+Hits only bump a counter (capped at 3), so a hit costs one dict store and no list surgery.
+Every queue is an `OrderedDict` (O(1) append and pop-oldest); reinsertions are amortised
+against the hits that earned them (at most 3 per hit), so a victim is O(1) amortised.
+
+Adapting to the pool's events (kvd/policies/base.py): a pinned key leaves its queue and keeps its
+counter and its queue; when it becomes evictable again it is appended to that queue's new end
+(the pin was a use; FIFO position cannot be restored in O(1)). A key promoted from S starts M with
+its counter cleared: its S hit paid for the promotion.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+
+from kvd.policies.base import EvictionPolicy
+
+SMALL_SHARE = 0.1  # the paper's default share of S; its sensitivity study finds 5-20% flat
+MAX_FREQUENCY = 3  # two bits, as in the paper
+
+
+class S3FIFOPolicy(EvictionPolicy):
+    """S3-FIFO with quick demotion from a small queue and a ghost queue the size of main."""
+
+    name = "s3fifo"
+
+    def __init__(self, capacity: int, small_share: float = SMALL_SHARE) -> None:
+        super().__init__(capacity)
+        if not 0.0 < small_share < 1.0:
+            raise ValueError(f"small_share must be in (0, 1), got {small_share}")
+        self.small_target = max(1, round(capacity * small_share))
+        self._ghost_limit = max(1, capacity - self.small_target)
+        self._small: OrderedDict[Hashable, None] = OrderedDict()  # oldest first
+        self._main: OrderedDict[Hashable, None] = OrderedDict()
+        self._ghost: OrderedDict[Hashable, None] = OrderedDict()
+        self._frequency: dict[Hashable, int] = {}  # every cached key, evictable or pinned
+        self._pinned: dict[Hashable, bool] = {}  # cached, not evictable → is in main
+
+    def inserted(self, key: Hashable) -> None:
+        is_main = self._pinned.pop(key, None)
+        if is_main is None:
+            self._frequency[key] = 0
+            is_main = key in self._ghost
+            if is_main:
+                del self._ghost[key]
+        (self._main if is_main else self._small)[key] = None
+
+    def accessed(self, key: Hashable) -> None:
+        frequency = self._frequency.get(key)
+        if frequency is not None and frequency < MAX_FREQUENCY:
+            self._frequency[key] = frequency + 1
+
+    def removed(self, key: Hashable) -> None:
+        if key in self._small:
+            del self._small[key]
+            self._pinned[key] = False
+        else:
+            del self._main[key]
+            self._pinned[key] = True
+
+    def victim(self) -> Hashable | None:
+        while self._small and (len(self._small) >= self.small_target or not self._main):
+            key = self._small.popitem(last=False)[0]
+            if self._frequency[key] == 0:
+                return self._evict_to_ghost(key)
+            self._frequency[key] = 0
+            self._main[key] = None
+        return self._evict_main()
+
+    def _evict_to_ghost(self, key: Hashable) -> Hashable:
+        del self._frequency[key]
+        self._ghost[key] = None
+        if len(self._ghost) > self._ghost_limit:
+            self._ghost.popitem(last=False)
+        return key
+
+    def _evict_main(self) -> Hashable | None:
+        main, frequency = self._main, self._frequency
+        while main:
+            key = main.popitem(last=False)[0]
+            count = frequency[key]
+            if count == 0:
+                del frequency[key]
+                return key
+            frequency[key] = count - 1
+            main[key] = None
+        return None
+
+    def __len__(self) -> int:
+        return len(self._small) + len(self._main)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._small or key in self._main

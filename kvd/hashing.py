@@ -69,7 +69,7 @@ def hash_blocks(
     Returns:
         One 16-byte digest per full block; a partial tail block is not hashed.
     """
-    if not isinstance(block_size, int) or block_size <= 0:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise BadArgsError(f"block_size must be a positive int, got {block_size!r}")
     if parent is not None and not isinstance(parent, bytes):
         raise BadArgsError(f"parent must be bytes or None, got {type(parent).__name__}")

@@ -35,7 +35,8 @@ _ROOT_PERSON = b"kvd-root-v1"
 _BLOCK_PERSON = b"kvd-block-v1"
 
 
-def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian uint32 bytes: what is hashed and what goes on the wire."""
     tokens = np.asarray(token_ids)
     if tokens.ndim != 1:
         raise BadArgsError(f"token_ids must be one-dimensional, got shape {tokens.shape}")
@@ -75,7 +76,7 @@ def hash_blocks(
         raise BadArgsError(f"parent must be bytes or None, got {type(parent).__name__}")
     if not isinstance(salt, bytes):
         raise BadArgsError(f"salt must be bytes, got {type(salt).__name__}")
-    data = _token_bytes(token_ids)
+    data = token_bytes(token_ids)
     block_nbytes = 4 * block_size
     num_full = len(data) // block_nbytes
     previous = root_hash(salt) if parent is None else parent

@@ -25,9 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvd.errors import BadArgsError, NoSpaceError, NotFoundError, ProtocolError, VersionError
+from kvd.errors import (
+    BadArgsError, NoSpaceError, NotFoundError, ProtocolError, UnknownOpError, VersionError,
+)
 from kvd.geometry import Geometry
 from kvd.hashing import HASH_VERSION
+from kvd.metrics import OpStats
 from kvd.page_table import PageTable, SequenceRecord
 from kvd.pool import BlockPool
 from kvd.protocol import (
@@ -52,10 +55,14 @@ class Service:
     """Sessions, sequences and the wire ops of one pool."""
 
     def __init__(self, pool: BlockPool, geometry: Geometry,
-                 copy_block: Callable[[int, int], None], info: dict[str, Any]) -> None:
+                 copy_block: Callable[[int, int], None], info: dict[str, Any],
+                 ops: OpStats | None = None) -> None:
         """Args:
+            copy_block: copies one block's bytes to another (fork of unsealed blocks).
             info: facts `hello` returns besides geometry (segment name, uuid, daemon pid, ...).
+            ops: per-op request and error counts to report in `stats` (the daemon's).
         """
+        self.ops = ops or OpStats()
         self.pool = pool
         self.geometry = geometry
         self.info = info
@@ -73,8 +80,9 @@ class Service:
         }
 
     @property
-    def op_names(self) -> list[str]:
-        return list(self._ops)
+    def op_names(self) -> dict[str, Any]:
+        """The ops this service handles (a mapping: `in` is O(1))."""
+        return self._ops
 
     # ---- sessions ------------------------------------------------------------------------
     def open_session(self, pid: int, uid: int) -> Session:
@@ -97,7 +105,6 @@ class Service:
         """Run one request. Raises a KvdError for the error reply (UNKNOWN_OP, BAD_ARGS, ...)."""
         handler = self._ops.get(op)
         if handler is None:
-            from kvd.errors import UnknownOpError
             raise UnknownOpError(f"unknown op {op!r}: valid ops are {', '.join(self._ops)}")
         if not session.is_ready and op != "hello":
             raise ProtocolError(f"say hello (protocol version {PROTOCOL_VERSION}) before {op!r}")
@@ -160,6 +167,7 @@ class Service:
             "sequences": len(self.page_table.sequences),
             "uptime_s": round(time.time() - self.started_at, 3),
             "geometry": self.geometry.to_dict(), "daemon_pid": os.getpid(),
+            "requests": self.ops.requests(), "errors": dict(self.ops.errors),
         }
 
     # ---- sequences -----------------------------------------------------------------------

@@ -1,0 +1,271 @@
+"""The `kvd` command: start, stop, status, stats, demo, replay."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvd.errors import BadArgsError, DisconnectedError, KvdError
+from kvd.geometry import DTYPES, Geometry
+from kvd.policies import DEFAULT_POLICY, POLICIES
+from kvd.runtime import DEFAULT_NAME, DaemonPaths, runtime_dir
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_nbytes(text: str) -> int:
+    """'512M', '1GiB', '2g', '4096' → bytes (binary units)."""
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 512M, 8GiB or 4096")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _add_selection(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--name", default=os.environ.get("KVD_NAME", DEFAULT_NAME),
+                        help="daemon name (default: $KVD_NAME or %(default)s)")
+    parser.add_argument("--socket", help="socket path (default: derived from --name)")
+
+
+def _add_start(subparsers: Any) -> None:
+    parser = subparsers.add_parser("start", help="run a daemon (foreground unless --detach)")
+    _add_selection(parser)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=int, help="blocks in the pool")
+    size.add_argument("--memory", type=parse_nbytes, help="pool size, e.g. 2G (default 512M)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
+    parser.add_argument("--policy", default="default",
+                        help=f"eviction policy: {', '.join(sorted(POLICIES))} or default "
+                             f"({DEFAULT_POLICY})")
+    parser.add_argument("--state-dir", help="journal directory for crash recovery")
+    parser.add_argument("--recover", action="store_true",
+                        help="re-attach the segment and journal a crashed daemon left")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1")
+    parser.add_argument("--detach", action="store_true", help="daemonise (log to the runtime dir)")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.set_defaults(func=cmd_start)
+
+
+def _geometry(args: argparse.Namespace) -> Geometry:
+    shape = {"num_layers": args.layers, "block_size": args.block_size,
+             "num_kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype}
+    if args.num_blocks is not None:
+        return Geometry(num_blocks=args.num_blocks, **shape)
+    return Geometry.for_memory(args.memory or (512 << 20), **shape)
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    from kvd.daemon import Daemon
+
+    if args.policy not in POLICIES and args.policy != "default":
+        raise BadArgsError(f"unknown --policy {args.policy!r}: choose one of "
+                           f"{', '.join(sorted(POLICIES))} or default")
+    paths = DaemonPaths.for_name(args.name, args.socket)
+    geometry = _geometry(args)
+    daemon = Daemon(paths, geometry, args.policy, metrics_port=args.metrics_port)
+    if args.detach:
+        return _detach(daemon, paths, args.log_level)
+    _setup_logging(args.log_level, sys.stderr)
+    daemon.start()
+    print(_ready_line(daemon), flush=True)
+    daemon.serve_forever()
+    return 0
+
+
+def _ready_line(daemon: Any) -> str:
+    g = daemon.geometry
+    return (f"kvd: serving name={daemon.paths.name} socket={daemon.paths.socket_path} "
+            f"segment={daemon.segment.name} blocks={g.num_blocks} "
+            f"block_nbytes={g.block_nbytes} policy={daemon.service.pool.policy.name} "
+            f"pid={os.getpid()}")
+
+
+def _setup_logging(level: str, stream: Any) -> None:
+    logging.basicConfig(level=level, stream=stream,
+                        format="%(asctime)s kvd[%(process)d] %(levelname)s %(message)s")
+
+
+def _detach(daemon: Any, paths: DaemonPaths, log_level: str) -> int:
+    """Double-fork; the parent prints the daemon's ready line (or its error) and returns."""
+    read_fd, write_fd = os.pipe()
+    if os.fork():
+        os.close(write_fd)
+        with os.fdopen(read_fd) as pipe:
+            message = pipe.read().strip()
+        print(message or "kvd: the daemon exited before it was ready (see its log)",
+              file=sys.stdout if message.startswith("kvd: serving") else sys.stderr)
+        return 0 if message.startswith("kvd: serving") else 1
+    os.close(read_fd)
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    log_path = os.path.join(runtime_dir(), f"{paths.name}.log")
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    null_fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null_fd, 0)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    _setup_logging(log_level, sys.stderr)
+    try:
+        daemon.start()
+    except KvdError as exc:
+        os.write(write_fd, f"kvd: {exc}\n".encode())
+        os._exit(1)
+    os.write(write_fd, f"{_ready_line(daemon)} log={log_path}\n".encode())
+    os.close(write_fd)
+    daemon.serve_forever()
+    os._exit(0)
+
+
+def _socket_of(args: argparse.Namespace) -> str:
+    return args.socket or DaemonPaths.for_name(args.name).socket_path
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from kvd.client import connect
+    from kvd.daemon import is_running
+
+    paths = DaemonPaths.for_name(args.name, args.socket)
+    try:
+        with connect(_socket_of(args)) as client:
+            client.shutdown(keep=args.keep)
+    except DisconnectedError:
+        print(f"kvd: no daemon named {args.name!r} is running", file=sys.stderr)
+        return 1
+    deadline = time.monotonic() + args.timeout
+    while is_running(paths):
+        if time.monotonic() > deadline:
+            print(f"kvd: daemon {args.name!r} did not stop within {args.timeout} s",
+                  file=sys.stderr)
+            return 1
+        time.sleep(0.02)
+    print(f"kvd: stopped {args.name}{' (segment kept)' if args.keep else ''}")
+    return 0
+
+
+def _daemon_stats(args: argparse.Namespace) -> dict[str, Any] | None:
+    from kvd.client import connect
+
+    try:
+        with connect(_socket_of(args), timeout_s=10) as client:
+            return client.stats()
+    except DisconnectedError:
+        return None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    stats = _daemon_stats(args)
+    if stats is None:
+        print(f"kvd {args.name}: not running")
+        return 3
+    g = stats["geometry"]
+    print(f"kvd {args.name}: up {stats['uptime_s']:.0f} s, pid {stats['daemon_pid']}, "
+          f"{stats['sessions']} sessions, {stats['sequences']} sequences, policy {stats['policy']}")
+    print(f"  geometry: {g['num_blocks']} blocks × (layers {g['num_layers']}, 2, block_size "
+          f"{g['block_size']}, kv_heads {g['num_kv_heads']}, head_dim {g['head_dim']}) "
+          f"{g['dtype']}")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    stats = _daemon_stats(args)
+    if stats is None:
+        print(f"kvd {args.name}: not running", file=sys.stderr)
+        return 3
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    print(format_stats(stats))
+    return 0
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    """A readable table of the numbers the Prometheus endpoint serves."""
+    lookups = stats["lookup_blocks"]
+    rows = [
+        ("blocks free / owned / sealed / cached",
+         f"{stats['free']} / {stats['owned']} / {stats['sealed']} / {stats['cached']} "
+         f"of {stats['num_blocks']}"),
+        ("allocations", stats["allocations"]), ("evictions", stats["evictions"]),
+        ("seals", stats["seals"]), ("lookups", stats["lookups"]),
+        ("prefix hit blocks", f"{stats['hit_blocks']} of {lookups} asked "
+                              f"({stats['hit_blocks'] / lookups:.1%})" if lookups else "0"),
+        ("prompt tokens / served from cache",
+         f"{stats['prompt_tokens']} / {stats['cached_tokens']}"),
+        ("sessions now / opened / closed",
+         f"{stats['sessions']} / {stats['sessions_opened']} / {stats['sessions_closed']}"),
+        ("sequences open", stats["sequences"]), ("policy", stats["policy"]),
+        ("uptime", f"{stats['uptime_s']:.1f} s"),
+        ("requests", ", ".join(f"{op} {n}" for op, n in sorted(stats["requests"].items()))),
+        ("errors", ", ".join(f"{code} {n}" for code, n in sorted(stats["errors"].items()))
+         or "none"),
+    ]
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _add_lazy(subparsers: Any, name: str, help_text: str, module: str) -> None:
+    """A subcommand whose module (`add_arguments`, `run`) is imported only when used."""
+    import importlib
+
+    parser = subparsers.add_parser(name, help=help_text)
+    target = importlib.import_module(module)
+    target.add_arguments(parser)
+    parser.set_defaults(func=target.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvd", description="A shared KV-cache daemon for LLM "
+                                     "inference on one host.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_start(subparsers)
+    for name, func, help_text in (("stop", cmd_stop, "stop a daemon"),
+                                  ("status", cmd_status, "is the daemon up; its geometry"),
+                                  ("stats", cmd_stats, "the daemon's counters")):
+        sub = subparsers.add_parser(name, help=help_text)
+        _add_selection(sub)
+        sub.set_defaults(func=func)
+        if name == "stop":
+            sub.add_argument("--keep", action="store_true",
+                             help="keep the segment and journal for a restart (--recover)")
+            sub.add_argument("--timeout", type=float, default=30.0, help="seconds to wait")
+        if name == "stats":
+            sub.add_argument("--json", action="store_true")
+    for name, help_text, module in (("demo", "daemon + workers doing paged attention",
+                                     "kvd.demo"),
+                                    ("replay", "replay a block-hash trace against the policies",
+                                     "kvd.replay")):
+        try:
+            _add_lazy(subparsers, name, help_text, module)
+        except ImportError:
+            pass  # not built yet in this checkout
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except KvdError as exc:
+        print(f"kvd: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,390 @@
+"""The daemon: one thread, one selector, every client served in turn.
+
+Theory of operation
+-------------------
+`Daemon.start()` takes the name's flock (single instance: a second daemon of the same name is
+refused *before* anything touches the socket path), creates the shared-memory segment, builds the
+pool over the segment's generation counters, binds the socket (0600 inside a 0700 directory) and
+writes the pidfile. `serve_forever()` then multiplexes with `selectors`:
+
+    listening socket   accept → SO_PEERCRED: another uid is refused with DENIED; otherwise a
+                       session is opened and the peer's pidfd is watched
+    client socket      recv → FrameDecoder → for each frame: unpack, parse, Service.handle,
+                       reply appended to the connection's output buffer; flushed once per batch
+    peer pidfd         readable when the peer process dies — even if a forked child still holds
+                       the socket, so EOF would come late or never — closes the session at once
+    signal pipe        SIGTERM/SIGINT (set_wakeup_fd) stop the loop
+
+A connection is closed for framing errors (the byte stream is unsynchronised), when its peer
+dies, and when it lets more than MAX_OUTPUT_NBYTES of replies pile up unread. Closing releases the
+session's pins and frees its unsealed blocks (Service.close_session). Every other bad request gets
+an error reply and the session goes on; an unexpected exception in a handler is logged and
+answered INTERNAL — no client can take the daemon down.
+
+Why selectors and not asyncio: the loop does no awaiting, every handler is a short synchronous
+call, and a plain selector loop avoids a transport, a protocol callback and a future per request
+(bench/control_plane.py compares the round trip with a bare echo server).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import selectors
+import signal
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvd.errors import DeniedError, InternalError, KvdError, ProtocolError
+from kvd.geometry import Geometry
+from kvd.metrics import OpStats, serve_metrics
+from kvd.pool import BlockPool
+from kvd.protocol import (
+    FrameDecoder, arg_bool, check_no_extra, encode_error, encode_result, parse_request,
+    unpack_body,
+)
+from kvd.runtime import DaemonPaths
+from kvd.segment import Segment
+from kvd.service import Service, Session
+
+log = logging.getLogger("kvd")
+
+RECV_NBYTES = 256 * 1024
+MAX_OUTPUT_NBYTES = 16 * 1024 * 1024
+_PEERCRED = struct.Struct("3i")
+
+
+@dataclass
+class Connection:
+    sock: socket.socket
+    session: Session
+    pidfd: int | None
+    decoder: FrameDecoder = field(default_factory=FrameDecoder)
+    output: bytearray = field(default_factory=bytearray)
+    is_writing: bool = False  # registered for EVENT_WRITE
+
+
+def take_lock(paths: DaemonPaths) -> int:
+    """Take the single-instance flock; returns its fd. Raises DeniedError if a daemon holds it."""
+    fd = os.open(paths.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DeniedError(f"a kvd daemon named {paths.name!r} is already running "
+                          f"{_pid_text(paths)}: stop it (kvd stop --name {paths.name}) or "
+                          "choose another --name") from None
+    return fd
+
+
+def _pid_text(paths: DaemonPaths) -> str:
+    try:
+        with open(paths.pid_path) as file:
+            return f"(pid {int(file.read().strip())})"
+    except (OSError, ValueError):
+        return ""
+
+
+def is_running(paths: DaemonPaths) -> bool:
+    """Whether a daemon holds the name's lock."""
+    try:
+        fd = os.open(paths.lock_path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+class Daemon:
+    """A kvd daemon serving one pool. `start()`, then `serve_forever()`; `stop()` from a handler."""
+
+    def __init__(self, paths: DaemonPaths, geometry: Geometry, policy: str = "default",
+                 metrics_port: int | None = None, keep_on_stop: bool = False) -> None:
+        self.paths = paths
+        self.geometry = geometry
+        self.policy_name = policy
+        self.metrics_port = metrics_port
+        self.keep_on_stop = keep_on_stop
+        self.ops = OpStats()
+        self._lock_fd: int | None = None
+        self._listener: socket.socket | None = None
+        self._selector = selectors.DefaultSelector()
+        self._connections: dict[int, Connection] = {}  # by socket fd
+        self._signal_r, self._signal_w = socket.socketpair()
+        self._is_stopping = False
+        self.segment: Segment | None = None
+        self.service: Service | None = None
+
+    # ---- start / stop ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._lock_fd = take_lock(self.paths)
+        try:
+            self._create_segment()
+            self._bind()
+            self._write_pidfile()
+            self._install_signals()
+            if self.metrics_port is not None:
+                serve_metrics(self.metrics_port, self.service.stats, self.ops)
+        except BaseException:
+            self._cleanup()
+            raise
+
+    def _create_segment(self) -> None:
+        stale = f"/dev/shm{self.paths.segment_name}"
+        if os.path.exists(stale):  # we hold the lock, so no live daemon uses it
+            log.warning("removing stale segment %s left by a daemon that did not stop cleanly",
+                        self.paths.segment_name)
+            os.unlink(stale)
+        self.segment = Segment.create(self.paths.segment_name, self.geometry)
+        pool = BlockPool(self.geometry.num_blocks, self.policy_name, self.segment.generations)
+        blocks = self.segment.pool
+        info = {"segment": self.segment.name, "segment_uuid": self.segment.uuid,
+                "daemon_pid": os.getpid(), "name": self.paths.name}
+        self.service = Service(pool, self.geometry, _block_copier(blocks), info, self.ops)
+
+    def _bind(self) -> None:
+        path = self.paths.socket_path
+        try:
+            os.unlink(path)  # safe: we hold the lock, so this is a dead daemon's socket
+        except FileNotFoundError:
+            pass
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)
+        try:
+            listener.bind(path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o600)
+        listener.listen(512)
+        listener.setblocking(False)
+        self._listener = listener
+        self._selector.register(listener, selectors.EVENT_READ, ("listen", None))
+        self._signal_r.setblocking(False)
+        self._signal_w.setblocking(False)
+        self._selector.register(self._signal_r, selectors.EVENT_READ, ("signal", None))
+
+    def _write_pidfile(self) -> None:
+        tmp = f"{self.paths.pid_path}.{os.getpid()}"
+        with open(tmp, "w") as file:
+            file.write(f"{os.getpid()}\n")
+        os.replace(tmp, self.paths.pid_path)
+
+    def _install_signals(self) -> None:
+        signal.set_wakeup_fd(self._signal_w.fileno(), warn_on_full_buffer=False)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        self._is_stopping = True
+
+    def stop(self, keep: bool | None = None) -> None:
+        """Ask the loop to stop after this iteration."""
+        if keep is not None:
+            self.keep_on_stop = keep
+        self._is_stopping = True
+
+    def _cleanup(self) -> None:
+        for connection in list(self._connections.values()):
+            self._close(connection, "daemon stopping")
+        if self._listener is not None:
+            self._listener.close()
+            self._unlink_quietly(self.paths.socket_path)
+        if self.segment is not None and not self.keep_on_stop:
+            self.segment.unlink()
+        self._unlink_quietly(self.paths.pid_path)
+        self._selector.close()
+        self._signal_r.close()
+        self._signal_w.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock last: the name is free only now
+            self._lock_fd = None
+
+    @staticmethod
+    def _unlink_quietly(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        try:
+            while not self._is_stopping:
+                for key, mask in self._selector.select(timeout=1.0):
+                    kind, connection = key.data
+                    if kind == "conn":
+                        self._on_connection(connection, mask)
+                    elif kind == "pidfd":
+                        self._close(connection, "peer process exited")
+                    elif kind == "listen":
+                        self._accept()
+                    else:
+                        self._signal_r.recv(4096)
+        finally:
+            log.info("stopped: %s", "kept segment for restart" if self.keep_on_stop
+                     else "segment and socket removed")
+            self._cleanup()
+
+    def _accept(self) -> None:
+        for _ in range(64):  # drain a burst without starving established clients
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. EMFILE: log and keep serving
+                log.error("accept failed: %s", exc)
+                return
+            self._admit(sock)
+
+    def _admit(self, sock: socket.socket) -> None:
+        pid, uid, _ = _PEERCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        if uid != os.getuid():
+            log.warning("refused pid %d of uid %d: the daemon serves uid %d only",
+                        pid, uid, os.getuid())
+            _send_quietly(sock, encode_error(None, DeniedError(
+                f"this daemon serves uid {os.getuid()} only, you are uid {uid}")))
+            sock.close()
+            return
+        sock.setblocking(False)
+        session = self.service.open_session(pid, uid)
+        pidfd, is_alive = _open_pidfd(pid)
+        connection = Connection(sock, session, pidfd)
+        self._connections[sock.fileno()] = connection
+        self._selector.register(sock, selectors.EVENT_READ, ("conn", connection))
+        if not is_alive:
+            self._close(connection, "peer process exited before accept")
+            return
+        if pidfd is not None:
+            self._selector.register(pidfd, selectors.EVENT_READ, ("pidfd", connection))
+        log.debug("session %d: pid %d connected", session.session_id, pid)
+
+    def _on_connection(self, connection: Connection, mask: int) -> None:
+        if mask & selectors.EVENT_WRITE:
+            self._flush(connection)
+        if mask & selectors.EVENT_READ and connection.sock.fileno() in self._connections:
+            self._read(connection)
+
+    def _read(self, connection: Connection) -> None:
+        try:
+            data = connection.sock.recv(RECV_NBYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._close(connection, f"recv failed: {exc}")
+            return
+        if not data:
+            self._close(connection, "closed by peer")
+            return
+        try:
+            bodies = connection.decoder.feed(data)
+        except KvdError as exc:  # bad length prefix: the stream cannot be resynchronised
+            self.ops.error(exc.code)
+            _send_quietly(connection.sock, bytes(connection.output) + encode_error(None, exc))
+            self._close(connection, f"framing error: {exc}")
+            return
+        for body in bodies:
+            connection.output += self._reply(connection.session, body)
+        self._flush(connection)
+
+    def _reply(self, session: Session, body: bytes) -> bytes:
+        """Handle one frame body; always returns a reply frame."""
+        request_id = None
+        started = time.perf_counter()
+        op = None
+        try:
+            request_id, op, args = parse_request(unpack_body(body))
+            if op == "shutdown" and session.is_ready:
+                result = self._shutdown(args)
+            else:
+                result = self.service.handle(session, op, args)
+            reply = encode_result(request_id, result)
+        except KvdError as exc:
+            if isinstance(exc, ProtocolError) and request_id is None:
+                request_id = getattr(exc, "request_id", None)
+            self.ops.error(exc.code)
+            reply = encode_error(request_id, exc)
+        except Exception as exc:  # a kvd bug: answer it, log it, keep serving everyone
+            log.exception("internal error handling %s for session %d", op, session.session_id)
+            self.ops.error("INTERNAL")
+            reply = encode_error(request_id, InternalError(f"{type(exc).__name__}: {exc}"))
+        if op in self.service.op_names:  # unknown op names would be unbounded metric labels
+            self.ops.observe(op, time.perf_counter() - started)
+        return reply
+
+    def _shutdown(self, args: dict[str, Any]) -> None:
+        check_no_extra(args, ("keep",))
+        self.stop(keep=arg_bool(args, "keep", False))
+        log.info("shutdown requested by a client (keep=%s)", self.keep_on_stop)
+
+    def _flush(self, connection: Connection) -> None:
+        output = connection.output
+        if output:
+            try:
+                sent = connection.sock.send(output)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self._close(connection, f"send failed: {exc}")
+                return
+            del output[:sent]
+        if len(output) > MAX_OUTPUT_NBYTES:
+            self._close(connection, f"{len(output)} bytes of replies unread: client not reading")
+            return
+        wants_write = bool(output)
+        if wants_write != connection.is_writing:
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if wants_write else 0)
+            self._selector.modify(connection.sock, events, ("conn", connection))
+            connection.is_writing = wants_write
+
+    def _close(self, connection: Connection, reason: str) -> None:
+        fd = connection.sock.fileno()
+        if self._connections.pop(fd, None) is None:
+            return
+        self._selector.unregister(connection.sock)
+        connection.sock.close()
+        if connection.pidfd is not None:
+            self._selector.unregister(connection.pidfd)
+            os.close(connection.pidfd)
+        session = connection.session
+        held = sum(len(self.service.pool.holdings(owner))
+                   for owner in (session.session_id, *session.seq_ids))
+        self.service.close_session(session)
+        log.info("session %d (pid %d) closed: %s; released %d blocks",
+                 session.session_id, session.pid, reason, held)
+
+
+def _block_copier(blocks: Any) -> Any:
+    def copy_block(src: int, dst: int) -> None:
+        blocks[dst] = blocks[src]
+    return copy_block
+
+
+def _open_pidfd(pid: int) -> tuple[int | None, bool]:
+    """A pidfd for `pid` and whether the process is alive (pidfd None: not available here)."""
+    try:
+        return os.pidfd_open(pid), True
+    except ProcessLookupError:
+        return None, False
+    except OSError as exc:  # old kernel or a sandbox: dead workers are then noticed at EOF
+        log.warning("pidfd_open(%d) failed (%s): relying on socket EOF", pid, exc)
+        return None, True
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.setblocking(False)
+        sock.send(data)
+    except OSError:
+        pass

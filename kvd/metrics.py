@@ -1,0 +1,98 @@
+"""Prometheus metrics, computed at scrape time from the daemon's own counters.
+
+The request path only bumps plain Python ints and one bucket of a latency histogram (a bisect
+and an increment); prometheus_client objects are built when a scrape arrives, on the HTTP
+server's thread. That keeps the per-request cost of metrics well under a microsecond, where
+observing a prometheus_client Histogram per request would cost several (bench/control_plane.py
+measures the request path). Reads from the scrape thread are plain int reads under the GIL: a
+scrape may see one request half-counted, never a torn value.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+# Request latency buckets in seconds: a round trip on a Unix socket starts near 10 µs.
+LATENCY_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1, 1.0)
+
+
+class OpStats:
+    """Per-op request counts and a latency histogram, plus error counts by code."""
+
+    def __init__(self) -> None:
+        self.latency: dict[str, list[int]] = {}  # op -> bucket counts (+1 for +Inf)
+        self.latency_sum_s: dict[str, float] = {}
+        self.errors: dict[str, int] = {}
+
+    def observe(self, op: str, seconds: float) -> None:
+        buckets = self.latency.get(op)
+        if buckets is None:
+            buckets = self.latency[op] = [0] * (len(LATENCY_BUCKETS_S) + 1)
+            self.latency_sum_s[op] = 0.0
+        buckets[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+        self.latency_sum_s[op] += seconds
+
+    def error(self, code: str) -> None:
+        self.errors[code] = self.errors.get(code, 0) + 1
+
+    def requests(self) -> dict[str, int]:
+        return {op: sum(buckets) for op, buckets in self.latency.items()}
+
+
+class KvdCollector:
+    """A prometheus_client collector over `stats()` (the daemon's stats dict) and OpStats."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], ops: OpStats) -> None:
+        self._stats = stats
+        self._ops = ops
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        blocks = GaugeMetricFamily("kvd_blocks", "Blocks by state", labels=["state"])
+        for state in ("free", "owned", "sealed", "cached"):
+            blocks.add_metric([state], stats[state])
+        yield blocks
+        yield GaugeMetricFamily("kvd_pool_blocks", "Blocks in the pool", value=stats["num_blocks"])
+        yield GaugeMetricFamily("kvd_sessions", "Connected sessions", value=stats["sessions"])
+        yield GaugeMetricFamily("kvd_sequences", "Open sequences", value=stats["sequences"])
+        for name, key, text in (
+            ("kvd_allocations", "allocations", "Blocks allocated"),
+            ("kvd_evictions", "evictions", "Cached blocks evicted"),
+            ("kvd_seals", "seals", "Blocks sealed"),
+            ("kvd_lookups", "lookups", "Prefix lookups"),
+            ("kvd_lookup_blocks", "lookup_blocks", "Blocks asked for by lookups"),
+            ("kvd_prefix_hit_blocks", "hit_blocks", "Blocks found by lookups (prefix hits)"),
+            ("kvd_prompt_tokens", "prompt_tokens", "Tokens of opened sequences"),
+            ("kvd_prefix_hit_tokens", "cached_tokens", "Prompt tokens served from the cache"),
+            ("kvd_sessions_opened", "sessions_opened", "Sessions opened"),
+            ("kvd_sessions_closed", "sessions_closed", "Sessions closed (any reason)"),
+        ):
+            yield CounterMetricFamily(name, text, value=stats[key])
+        yield from self._collect_ops()
+
+    def _collect_ops(self) -> Iterator[Any]:
+        errors = CounterMetricFamily("kvd_errors", "Error replies by code", labels=["code"])
+        for code, count in sorted(self._ops.errors.items()):
+            errors.add_metric([code], count)
+        yield errors
+        latency = HistogramMetricFamily("kvd_request_latency_seconds",
+                                        "Time to handle a request in the daemon", labels=["op"])
+        for op, buckets in sorted(self._ops.latency.items()):
+            cumulative, total = [], 0
+            for bound, count in zip((*LATENCY_BUCKETS_S, float("inf")), buckets):
+                total += count
+                cumulative.append((str(bound) if bound != float("inf") else "+Inf", total))
+            latency.add_metric([op], cumulative, sum_value=self._ops.latency_sum_s[op])
+        yield latency
+
+
+def serve_metrics(port: int, stats: Callable[[], dict[str, Any]], ops: OpStats) -> None:
+    """Serve /metrics on 127.0.0.1:`port` from a daemon thread."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(KvdCollector(stats, ops))
+    start_http_server(port, addr="127.0.0.1", registry=registry)

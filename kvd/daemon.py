@@ -129,10 +129,10 @@ class Daemon:
     def start(self) -> None:
         self._lock_fd = take_lock(self.paths)
         try:
+            self._install_signals()  # first: a SIGTERM during start must still clean up
             self._create_segment()
             self._bind()
             self._write_pidfile()
-            self._install_signals()
             if self.metrics_port is not None:
                 serve_metrics(self.metrics_port, self.service.stats, self.ops)
         except BaseException:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvd.errors import BadArgsError
+from kvd.policies.adaptive import AdaptiveS3FIFOPolicy
 from kvd.policies.arc import ARCPolicy
 from kvd.policies.base import EvictionPolicy
 from kvd.policies.lfu import LFUPolicy
@@ -11,11 +12,12 @@ from kvd.policies.s3fifo import S3FIFOPolicy
 from kvd.policies.sieve import SIEVEPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LRUPolicy, LFUPolicy, ARCPolicy, S3FIFOPolicy, SIEVEPolicy)
+    cls.name: cls for cls in (LRUPolicy, LFUPolicy, ARCPolicy, S3FIFOPolicy, SIEVEPolicy,
+                 AdaptiveS3FIFOPolicy)
 }
 
 # What `kvd start` and `PagedKVCache` use when no policy is named.
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "kvd"  # adaptive S3-FIFO, kvd/policies/adaptive.py; table: bench/hit_ratio.py
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:
@@ -33,5 +35,5 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     return cls(capacity)
 
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "ARCPolicy", "EvictionPolicy", "LFUPolicy", "LRUPolicy",
-           "S3FIFOPolicy", "SIEVEPolicy", "make_policy"]
+__all__ = ["DEFAULT_POLICY", "POLICIES", "ARCPolicy", "AdaptiveS3FIFOPolicy", "EvictionPolicy",
+           "LFUPolicy", "LRUPolicy", "S3FIFOPolicy", "SIEVEPolicy", "make_policy"]

@@ -54,10 +54,15 @@ class S3FIFOPolicy(EvictionPolicy):
         is_main = self._pinned.pop(key, None)
         if is_main is None:
             self._frequency[key] = 0
-            is_main = key in self._ghost
-            if is_main:
-                del self._ghost[key]
+            is_main = self._is_ghost_hit(key)
         (self._main if is_main else self._small)[key] = None
+
+    def _is_ghost_hit(self, key: Hashable) -> bool:
+        """A newly cached key: whether it left S unhit recently (then it goes to M)."""
+        if key not in self._ghost:
+            return False
+        del self._ghost[key]
+        return True
 
     def accessed(self, key: Hashable) -> None:
         frequency = self._frequency.get(key)
@@ -95,10 +100,14 @@ class S3FIFOPolicy(EvictionPolicy):
             count = frequency[key]
             if count == 0:
                 del frequency[key]
-                return key
+                return self._evicted_from_main(key)
             frequency[key] = count - 1
             main[key] = None
         return None
+
+    def _evicted_from_main(self, key: Hashable) -> Hashable:
+        """Hook for subclasses that remember main's victims (kvd/policies/adaptive.py)."""
+        return key
 
     def __len__(self) -> int:
         return len(self._small) + len(self._main)

@@ -1,0 +1,301 @@
+"""`kvd replay`: replay a block-hash trace against eviction policies and Belady's optimum.
+
+Theory of operation
+-------------------
+A trace (kvd/traces.py) lists, per request, the content keys of its prompt blocks, head first.
+Replay feeds them to the *same policy objects the daemon runs* at each capacity, in one of two
+modes:
+
+``pool`` (default) drives `kvd.pool.BlockPool` exactly as an engine drives the daemon:
+    `lookup` pins the longest cached prefix; every later key that is still cached is pinned too
+    (a block hit that an engine could reuse only by recomputing the gap); the missing keys are
+    allocated (evicting as the policy says) and sealed; at the end of the request everything is
+    released, and the pool makes the blocks evictable tail first. A request's own blocks are
+    pinned while it runs, so it never evicts itself. When a request needs more blocks than the
+    pool can give, its tail is simply not cached.
+
+``anchor`` is the reference semantics of ../shared/traces/SOURCES.md: each block reference alone,
+    head first; hit → `accessed`; miss → `victim()` if full, then `inserted`. Nothing is pinned,
+    so a long request can evict its own head. It reproduces the published table exactly (LRU
+    0.0825 / 0.2791 / 0.4235 prefix hit ratio on synthetic_trace.jsonl at 1k / 5k / 10k blocks)
+    and is what the anchor test checks.
+
+Metrics per (policy, capacity):
+  * prefix hit ratio — leading hits of each request / block references: what an engine reuses;
+  * block hit ratio — every hit / block references;
+  * token hit ratio — prompt tokens covered by the leading hits / prompt tokens (the last block
+    of a prompt is partial, so this weighs it by the tokens it really holds);
+  * OPT — Belady's offline optimum block hit ratio over the same reference stream with every miss
+    inserted (anchor semantics), and the prefix hit ratio as a fraction of it.
+
+Belady's OPT in O(n log n): one backward pass computes each reference's next-use index; the
+cache is a dict key → next use plus a max-heap of (next use, key) with lazy deletion (stale heap
+entries are skipped when popped). The victim is the cached key used farthest in the future.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+from kvd.errors import BadArgsError
+from kvd.policies import DEFAULT_POLICY, POLICIES, make_policy
+from kvd.pool import BlockPool
+from kvd.traces import TRACE_BLOCK_TOKENS, Request, load_trace
+
+MODES = ("pool", "anchor")
+DEFAULT_CAPACITIES = (1000, 2000, 5000, 10000, 20000, 50000)
+_OWNER = 1  # replay plays one engine; requests run one after another
+
+
+@dataclass
+class Counts:
+    """Hit counts of one replay."""
+
+    num_refs: int = 0
+    num_hits: int = 0
+    num_prefix_hits: int = 0
+    num_tokens: int = 0
+    num_prefix_tokens: int = 0
+
+    def add_request(self, request: Request, num_prefix_hits: int, num_hits: int) -> None:
+        self.num_refs += len(request.hash_ids)
+        self.num_hits += num_hits
+        self.num_prefix_hits += num_prefix_hits
+        self.num_tokens += request.input_length
+        self.num_prefix_tokens += min(num_prefix_hits * TRACE_BLOCK_TOKENS, request.input_length)
+
+
+@dataclass
+class Row:
+    """One line of `kvd replay --json`."""
+
+    policy: str
+    capacity: int
+    prefix_hit_ratio: float
+    block_hit_ratio: float
+    token_hit_ratio: float
+    opt_hit_ratio: float
+    fraction_of_opt: float
+    mode: str
+
+
+# ---- the two replay modes --------------------------------------------------------------------
+def replay_anchor(trace: Sequence[Request], policy_name: str, capacity: int) -> Counts:
+    """Reference semantics: per block reference, head first; hit → access, miss → insert."""
+    policy = make_policy(policy_name, capacity)
+    cached: set[int] = set()
+    counts = Counts()
+    for request in trace:
+        num_prefix = num_hits = 0
+        is_prefix = True
+        for key in request.hash_ids:
+            if key in cached:
+                policy.accessed(key)
+                num_hits += 1
+                num_prefix += is_prefix
+                continue
+            is_prefix = False
+            if len(cached) >= capacity:
+                cached.remove(policy.victim())
+            cached.add(key)
+            policy.inserted(key)
+        counts.add_request(request, num_prefix, num_hits)
+    return counts
+
+
+def replay_pool(trace: Sequence[Request], policy_name: str, capacity: int) -> Counts:
+    """Drive a BlockPool as an engine drives the daemon (see the module docstring)."""
+    pool = BlockPool(capacity, make_policy(policy_name, capacity))
+    counts = Counts()
+    for request in trace:
+        block_ids = pool.lookup(request.hash_ids, _OWNER)
+        num_prefix = len(block_ids)
+        num_hits = num_prefix + _pin_later_hits(pool, request.hash_ids[num_prefix:], block_ids)
+        pool.release(block_ids, _OWNER)
+        counts.add_request(request, num_prefix, num_hits)
+    return counts
+
+
+def _pin_later_hits(pool: BlockPool, keys: Sequence[int], block_ids: list[int]) -> int:
+    """Pin cached keys after the prefix, allocate and seal the missing ones; return the hits.
+
+    Appends to `block_ids` in chain order so that releasing them makes the tail evictable first.
+    """
+    num_hits = 0
+    missing: list[int] = []
+    for key in keys:
+        block_id = pool.touch(key)
+        if block_id is None:
+            missing.append(key)
+            continue
+        pool.pin([block_id], _OWNER)
+        block_ids.append(block_id)
+        num_hits += 1
+    missing = missing[:pool.num_available]
+    new_ids = pool.allocate(len(missing), _OWNER) or []
+    pool.seal(new_ids, missing, _OWNER)
+    block_ids.extend(new_ids)
+    return num_hits
+
+
+REPLAYS: dict[str, Callable[[Sequence[Request], str, int], Counts]] = {
+    "pool": replay_pool, "anchor": replay_anchor}
+
+
+# ---- Belady's OPT ------------------------------------------------------------------------------
+def reference_stream(trace: Iterable[Request]) -> list[int]:
+    """Every block reference of the trace, in order."""
+    return [key for request in trace for key in request.hash_ids]
+
+
+def next_uses(refs: Sequence[int]) -> list[int]:
+    """For each reference, the index of the next reference to the same key (len(refs) if none)."""
+    never = len(refs)
+    result = [never] * len(refs)
+    last_seen: dict[int, int] = {}
+    for index in range(len(refs) - 1, -1, -1):
+        result[index] = last_seen.get(refs[index], never)
+        last_seen[refs[index]] = index
+    return result
+
+
+def belady_hits(refs: Sequence[int], capacity: int) -> int:
+    """Hits of Belady's OPT with every miss inserted (no bypass), in O(n log n)."""
+    following = next_uses(refs)
+    next_use: dict[int, int] = {}  # cached key → index of its next reference
+    heap: list[tuple[int, int]] = []  # (-next use, key); stale entries skipped lazily
+    num_hits = 0
+    for index, key in enumerate(refs):
+        if key in next_use:
+            num_hits += 1
+        elif len(next_use) >= capacity:
+            while True:
+                negated_use, candidate = heapq.heappop(heap)
+                if next_use.get(candidate) == -negated_use:
+                    break
+            del next_use[candidate]
+        next_use[key] = following[index]
+        heapq.heappush(heap, (-following[index], key))
+    return num_hits
+
+
+# ---- rows, output, CLI -----------------------------------------------------------------------
+def replay_rows(trace: Sequence[Request], policy_names: Sequence[str],
+                capacities: Sequence[int], mode: str = "pool",
+                progress: Callable[[str], None] | None = None) -> list[Row]:
+    """Replay every (policy, capacity) and Belady's OPT; one Row each."""
+    refs = reference_stream(trace)
+    num_refs = max(1, len(refs))
+    rows = []
+    for capacity in capacities:
+        opt_ratio = belady_hits(refs, capacity) / num_refs
+        for name in policy_names:
+            if progress:
+                progress(f"{name} @ {capacity} blocks")
+            counts = REPLAYS[mode](trace, name, capacity)
+            prefix_ratio = counts.num_prefix_hits / num_refs
+            rows.append(Row(name, capacity, prefix_ratio, counts.num_hits / num_refs,
+                            counts.num_prefix_tokens / max(1, counts.num_tokens), opt_ratio,
+                            prefix_ratio / opt_ratio if opt_ratio else 0.0, mode))
+    return rows
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """A fixed-width table of the rows, one line per (policy, capacity)."""
+    lines = [f"{'policy':<10} {'capacity':>9} {'prefix':>7} {'block':>7} {'token':>7} "
+             f"{'OPT':>7} {'of OPT':>7}"]
+    for row in rows:
+        lines.append(f"{row.policy:<10} {row.capacity:>9} {row.prefix_hit_ratio:>7.4f} "
+                     f"{row.block_hit_ratio:>7.4f} {row.token_hit_ratio:>7.4f} "
+                     f"{row.opt_hit_ratio:>7.4f} {row.fraction_of_opt:>7.1%}")
+    return "\n".join(lines)
+
+
+def plot_rows(rows: Sequence[Row], path: str, title: str) -> None:
+    """Prefix hit ratio vs capacity per policy, with OPT, to a PNG (matplotlib Agg backend)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(figsize=(7, 4.5))
+    capacities = sorted({row.capacity for row in rows})
+    for name in dict.fromkeys(row.policy for row in rows):
+        ratios = [row.prefix_hit_ratio for capacity in capacities for row in rows
+                  if row.policy == name and row.capacity == capacity]
+        axes.plot(capacities, ratios, marker="o", label=name)
+    opt = {row.capacity: row.opt_hit_ratio for row in rows}
+    axes.plot(capacities, [opt[c] for c in capacities], "k--", label="Belady OPT (block)")
+    axes.set(xscale="log", xlabel="capacity (blocks)", ylabel="prefix hit ratio", title=title)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+
+
+def _csv(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def parse_policies(text: str) -> list[str]:
+    """Comma-separated policy names; `all` means every registered policy."""
+    names = list(POLICIES) + ["default"] if text == "all" else _csv(text)
+    for name in names:
+        if name != "default" and name not in POLICIES:
+            raise BadArgsError(f"unknown policy {name!r}: choose from {', '.join(POLICIES)}, "
+                               "default or all")
+    return names
+
+
+def parse_capacities(text: str) -> list[int]:
+    """Comma-separated positive block counts; `k` suffix allowed (`5k` = 5000)."""
+    capacities = []
+    for item in _csv(text):
+        try:
+            value = int(float(item[:-1]) * 1000) if item.lower().endswith("k") else int(item)
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise BadArgsError(f"capacity {item!r} is not a positive block count (e.g. 5000 or 5k)")
+        capacities.append(value)
+    return capacities
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `kvd replay`."""
+    parser.add_argument("trace", help="JSONL trace (../shared/traces format)")
+    parser.add_argument("--policy", default=f"lru,lfu,arc,s3fifo,sieve,default",
+                        help="comma-separated policies, 'default' or 'all' "
+                             f"(default policy: {DEFAULT_POLICY})")
+    parser.add_argument("--capacity", default=",".join(map(str, DEFAULT_CAPACITIES)),
+                        help="comma-separated pool sizes in blocks (e.g. 1000,5k)")
+    parser.add_argument("--mode", choices=MODES, default="pool",
+                        help="pool: drive kvd's BlockPool (default); anchor: the reference "
+                             "semantics of ../shared/traces/SOURCES.md")
+    parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
+    parser.add_argument("--plot", metavar="OUT.png", help="draw hit ratio vs capacity")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `kvd replay`; returns the exit status."""
+    trace = load_trace(args.trace)
+    names, capacities = parse_policies(args.policy), parse_capacities(args.capacity)
+    total = len(names) * len(capacities)
+    done = [0]
+
+    def progress(what: str) -> None:
+        done[0] += 1
+        if sys.stderr.isatty() or total > 1:
+            print(f"\r[{done[0]:>3}/{total}] {what:<40}", end="", file=sys.stderr, flush=True)
+
+    rows = replay_rows(trace, names, capacities, args.mode, progress)
+    print("\r" + " " * 50 + "\r", end="", file=sys.stderr, flush=True)
+    print(json.dumps([asdict(row) for row in rows], indent=1) if args.json else format_table(rows))
+    if args.plot:
+        plot_rows(rows, args.plot, f"{args.trace.rsplit('/', 1)[-1]} ({args.mode} replay)")
+    return 0

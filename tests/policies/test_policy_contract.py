@@ -1,0 +1,119 @@
+"""One contract suite, parametrised over every registered policy (kvd/policies/base.py).
+
+A pure-Python model tracks which keys are evictable; each policy is driven with random event
+sequences that respect the lifecycle `inserted → (accessed | removed → accessed* → inserted)* →
+victim`, and every answer is checked against the model.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvd.errors import BadArgsError
+from kvd.policies import DEFAULT_POLICY, POLICIES, EvictionPolicy, make_policy
+
+NAMES = sorted(POLICIES)
+
+
+def drive(policy: EvictionPolicy, seed: int, num_steps: int = 3000) -> None:
+    """Random lifecycle-respecting events; check victims and len/contains after each step."""
+    rng = random.Random(seed)
+    evictable: set[int] = set()
+    pinned: set[int] = set()
+    evicted: set[int] = set()
+    next_key = 0
+    for _ in range(num_steps):
+        op = rng.random()
+        if op < 0.35 or not (evictable or pinned):
+            key = rng.choice(sorted(evicted)) if evicted and rng.random() < 0.3 else next_key
+            next_key += key == next_key
+            evicted.discard(key)
+            policy.inserted(key)
+            evictable.add(key)
+        elif op < 0.55:
+            policy.accessed(rng.choice(sorted(evictable | pinned)))
+        elif op < 0.65 and evictable:
+            key = rng.choice(sorted(evictable))
+            policy.removed(key)
+            evictable.remove(key)
+            pinned.add(key)
+        elif op < 0.75 and pinned:
+            key = rng.choice(sorted(pinned))
+            policy.inserted(key)
+            pinned.remove(key)
+            evictable.add(key)
+        else:
+            key = policy.victim()
+            if not evictable:
+                assert key is None
+                continue
+            assert key in evictable, f"victim {key!r} is not evictable"
+            evictable.remove(key)
+            evicted.add(key)
+        assert len(policy) == len(evictable)
+        assert all(key in policy for key in evictable)
+        assert not any(key in policy for key in pinned | evicted)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("seed", range(4))
+def test_random_lifecycle_respects_contract(name: str, seed: int) -> None:
+    drive(make_policy(name, capacity=16), seed)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_empty_policy_has_no_victim(name: str) -> None:
+    policy = make_policy(name, capacity=4)
+    assert policy.victim() is None and len(policy) == 0 and 1 not in policy
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_drains_every_key_exactly_once(name: str) -> None:
+    policy = make_policy(name, capacity=8)
+    for key in range(20):
+        policy.inserted(key)
+        if key % 3 == 0:
+            policy.accessed(key)
+    victims = [policy.victim() for _ in range(20)]
+    assert sorted(victims) == list(range(20))
+    assert policy.victim() is None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pinned_key_is_never_a_victim(name: str) -> None:
+    policy = make_policy(name, capacity=4)
+    for key in range(6):
+        policy.inserted(key)
+    policy.removed(0)
+    policy.accessed(0)
+    victims = {policy.victim() for _ in range(5)}
+    assert 0 not in victims and policy.victim() is None
+    policy.inserted(0)
+    assert policy.victim() == 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_untouched_old_key_goes_before_a_hot_one(name: str) -> None:
+    """Eviction order sanity: with one key hit repeatedly, the cold ones go first."""
+    policy = make_policy(name, capacity=4)
+    for key in range(4):
+        policy.inserted(key)
+    for _ in range(3):
+        policy.accessed(0)
+    assert policy.victim() != 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_policy_is_named_and_validates_capacity(name: str) -> None:
+    assert POLICIES[name].name == name
+    with pytest.raises(ValueError, match="positive"):
+        POLICIES[name](0)
+
+
+def test_registry_default_and_unknown_name() -> None:
+    assert DEFAULT_POLICY in POLICIES
+    assert type(make_policy("default", 8)).name == DEFAULT_POLICY
+    with pytest.raises(BadArgsError, match="choose one of"):
+        make_policy("belady", 8)

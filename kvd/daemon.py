@@ -121,6 +121,8 @@ class Daemon:
         self._selector = selectors.DefaultSelector()
         self._connections: dict[int, Connection] = {}  # by socket fd
         self._signal_r, self._signal_w = socket.socketpair()
+        self._signal_r.setblocking(False)
+        self._signal_w.setblocking(False)
         self._is_stopping = False
         self.segment: Segment | None = None
         self.service: Service | None = None
@@ -169,8 +171,6 @@ class Daemon:
         listener.setblocking(False)
         self._listener = listener
         self._selector.register(listener, selectors.EVENT_READ, ("listen", None))
-        self._signal_r.setblocking(False)
-        self._signal_w.setblocking(False)
         self._selector.register(self._signal_r, selectors.EVENT_READ, ("signal", None))
 
     def _write_pidfile(self) -> None:

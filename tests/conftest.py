@@ -1,0 +1,156 @@
+"""Shared fixtures: real daemons in subprocesses, a private runtime dir, leak checks.
+
+Every daemon a test starts gets a unique name; at teardown it is stopped with SIGTERM and must
+exit 0 leaving no socket, pidfile or /dev/shm segment. An autouse fixture also fails any test
+after which a kvd segment appeared in /dev/shm that was not there before it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_TRACES = ROOT.parent / "shared" / "traces"
+
+# A private runtime dir for the whole run (short: socket paths are limited to 107 bytes).
+_RUNTIME_DIR = tempfile.mkdtemp(prefix="kvdt-", dir="/tmp")
+os.environ["XDG_RUNTIME_DIR"] = _RUNTIME_DIR
+
+import kvd  # noqa: E402  (after XDG_RUNTIME_DIR: the runtime dir is read at call time anyway)
+from kvd.runtime import DaemonPaths  # noqa: E402
+
+SMALL_GEOMETRY = {"num_blocks": 64, "layers": 2, "kv_heads": 2, "head_dim": 8,
+                  "block_size": 4, "dtype": "float32"}
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(_RUNTIME_DIR, ignore_errors=True)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment for child processes: this checkout importable, one BLAS thread."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def kvd_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("kvd")}
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_segments() -> Iterator[None]:
+    before = kvd_segments()
+    yield
+    leaked = kvd_segments() - before
+    assert not leaked, f"test leaked shared-memory segments: {sorted(leaked)}"
+
+
+@dataclass
+class DaemonHandle:
+    name: str
+    proc: subprocess.Popen
+    paths: DaemonPaths
+    log_path: Path
+
+    def connect(self, **kwargs: object) -> kvd.Client:
+        return kvd.connect(self.name, **kwargs)
+
+    def leftovers(self) -> list[str]:
+        return [p for p in ("/dev/shm" + self.paths.segment_name, self.paths.socket_path,
+                            self.paths.pid_path) if os.path.exists(p)]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_daemon_process(name: str, log_path: Path, extra_args: list[str] | None = None,
+                         **options: object) -> subprocess.Popen:
+    command = [sys.executable, "-m", "kvd.cli", "start", "--name", name]
+    for key, value in options.items():
+        command += [f"--{key.replace('_', '-')}", str(value)]
+    command += extra_args or []
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(command, env=child_env(), cwd=ROOT, stdout=log, stderr=log)
+
+
+def wait_ready(proc: subprocess.Popen, name: str, log_path: Path, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"daemon {name} exited with {proc.returncode}:\n"
+                                 f"{log_path.read_text(errors='replace')}")
+        try:
+            kvd.connect(name).close()
+            return
+        except kvd.DisconnectedError:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"daemon {name} not ready in {timeout_s} s") from None
+            time.sleep(0.02)
+
+
+def stop_daemon(handle: DaemonHandle) -> None:
+    if handle.proc.poll() is None:
+        handle.proc.send_signal(signal.SIGTERM)
+        try:
+            handle.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            handle.proc.kill()
+            handle.proc.wait()
+            raise AssertionError(f"daemon {handle.name} ignored SIGTERM:\n{handle.log()}")
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonHandle]]:
+    """`daemon_factory(**options)` starts `kvd start --name <unique> --<option> <value>...`."""
+    handles: list[DaemonHandle] = []
+
+    def start(extra_args: list[str] | None = None, **options: object) -> DaemonHandle:
+        name = f"t-{uuid.uuid4().hex[:10]}"
+        log_path = tmp_path / f"{name}.log"
+        proc = start_daemon_process(name, log_path, extra_args, **options)
+        handle = DaemonHandle(name, proc, DaemonPaths.for_name(name), log_path)
+        handles.append(handle)
+        wait_ready(proc, name, log_path)
+        return handle
+
+    yield start
+    for handle in handles:
+        was_running = handle.proc.poll() is None
+        stop_daemon(handle)
+        if was_running:
+            assert handle.proc.returncode == 0, (
+                f"daemon {handle.name} exited {handle.proc.returncode}:\n{handle.log()}")
+        left = handle.leftovers()
+        for path in left:  # clean up before failing so one failure does not cascade
+            if path.startswith("/dev/shm/"):
+                os.unlink(path)
+        assert not left, f"daemon {handle.name} left {left}"
+
+
+@pytest.fixture
+def kvd_daemon(daemon_factory: Callable[..., DaemonHandle]) -> DaemonHandle:
+    """A small float32 daemon: 64 blocks of (2 layers, 2, 4 tokens, 2 heads, 8 dims)."""
+    return daemon_factory(**SMALL_GEOMETRY)
+
+
+@pytest.fixture
+def shared_traces() -> Path:
+    if not SHARED_TRACES.is_dir():
+        pytest.skip(f"real traces not found at {SHARED_TRACES} (../shared/traces beside the "
+                    "checkout); the default run uses generated fixtures instead")
+    return SHARED_TRACES

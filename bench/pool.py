@@ -1,0 +1,203 @@
+"""Bench: build time and metadata bytes per block of a BlockPool, and its op throughput.
+
+Goals (issue 2, item 2): a 1,000,000-block pool builds in < 2 s and holds <= 200 bytes of
+metadata per block. Memory is measured for an *empty* pool and for a *full* one, every block
+sealed under a 16-byte digest (the size kvd.hash_blocks returns) and released, so it is CACHED:
+hashes, the index and the policy's structures all count. Each measurement runs in a fresh
+subprocess: tracemalloc (the bytes Python and NumPy asked for, with the allocation sites that
+explain them) and, separately, the RSS delta (what the OS actually gave, allocator slack included;
+tracemalloc's own bookkeeping would inflate it, hence two children).
+
+Throughput: a pool kept full of cached blocks, so every allocation evicts; each round allocates a
+batch, seals it under fresh keys, releases it (CACHED), looks it up (pinned again) and releases it.
+
+    python -m bench.pool [--num-blocks 1000000] [--policies lru,lfu] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+from kvd.policies import POLICIES
+from kvd.pool import BlockPool
+
+ROOT = Path(__file__).resolve().parent.parent
+OWNER = 1
+BATCH_SIZES = (1, 16, 256)
+OPS = ("allocate", "seal", "lookup", "release")
+
+
+def digests(start: int, count: int) -> list[bytes]:
+    """Distinct 16-byte keys, the same object size as kvd.hash_blocks' digests."""
+    return [i.to_bytes(16, "little") for i in range(start, start + count)]
+
+
+def fill_cached(pool: BlockPool) -> None:
+    """Seal every block under its own key and release it: the whole pool is CACHED."""
+    block_ids = pool.allocate(pool.num_blocks, OWNER)
+    pool.seal(block_ids, digests(0, pool.num_blocks), OWNER)
+    pool.release(block_ids, OWNER)
+
+
+def build_time_s(policy: str, num_blocks: int, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        pool = BlockPool(num_blocks, policy)
+        best = min(best, time.perf_counter() - start)
+        del pool
+    return best
+
+
+# ---- memory (each in a fresh child) -----------------------------------------------------------
+def rss_nbytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def child_rss(policy: str, num_blocks: int) -> dict:
+    gc.collect()
+    base = rss_nbytes()
+    pool = BlockPool(num_blocks, policy)
+    empty = rss_nbytes() - base
+    fill_cached(pool)
+    gc.collect()
+    return {"empty_bytes_per_block": empty / num_blocks,
+            "full_bytes_per_block": (rss_nbytes() - base) / num_blocks}
+
+
+def child_tracemalloc(policy: str, num_blocks: int) -> dict:
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    pool = BlockPool(num_blocks, policy)
+    empty = tracemalloc.get_traced_memory()[0] - base
+    fill_cached(pool)
+    gc.collect()
+    full = tracemalloc.get_traced_memory()[0] - base
+    sites = tracemalloc.take_snapshot().statistics("lineno")
+    return {"empty_bytes_per_block": empty / num_blocks, "full_bytes_per_block": full / num_blocks,
+            "full_sites": [{"site": site_name(stat), "bytes_per_block": stat.size / num_blocks}
+                           for stat in sites if stat.size / num_blocks >= 1.0]}
+
+
+def site_name(stat: tracemalloc.Statistic) -> str:
+    frame = stat.traceback[0]
+    return f"{os.path.relpath(frame.filename, ROOT)}:{frame.lineno}"
+
+
+def measure_in_child(method: str, policy: str, num_blocks: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.pool", "--child", method, "--policies", policy,
+         "--num-blocks", str(num_blocks)],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout)
+
+
+# ---- throughput --------------------------------------------------------------------------------
+def throughput(policy: str, batch_size: int, num_blocks: int, blocks_per_run: int) -> dict:
+    """Calls/s and blocks/s of each op at `batch_size`, the pool full of cached blocks."""
+    pool = BlockPool(num_blocks, policy)
+    fill_cached(pool)
+    num_rounds = max(1, blocks_per_run // batch_size)
+    keys = digests(num_blocks, num_rounds * batch_size)
+    spent = dict.fromkeys(OPS, 0.0)
+    calls = dict.fromkeys(OPS, 0)
+    clock = time.perf_counter
+    for round_number in range(num_rounds):
+        batch_keys = keys[round_number * batch_size:(round_number + 1) * batch_size]
+        t0 = clock()
+        block_ids = pool.allocate(batch_size, OWNER)
+        t1 = clock()
+        pool.seal(block_ids, batch_keys, OWNER)
+        t2 = clock()
+        pool.release(block_ids, OWNER)
+        t3 = clock()
+        pool.lookup(batch_keys, OWNER)
+        t4 = clock()
+        pool.release(block_ids, OWNER)
+        t5 = clock()
+        spent["allocate"] += t1 - t0
+        spent["seal"] += t2 - t1
+        spent["release"] += (t3 - t2) + (t5 - t4)
+        spent["lookup"] += t4 - t3
+    for op in OPS:
+        calls[op] = num_rounds * (2 if op == "release" else 1)
+    pool.check_invariants()
+    return {op: {"calls_per_s": calls[op] / spent[op],
+                 "blocks_per_s": calls[op] * batch_size / spent[op]} for op in OPS}
+
+
+# ---- driver ------------------------------------------------------------------------------------
+def run(policies: list[str], num_blocks: int, ops_blocks: int, ops_per_batch: int) -> dict:
+    results = {"num_blocks": num_blocks, "goal_build_s": 2.0, "goal_bytes_per_block": 200,
+               "ops_pool_blocks": ops_blocks, "policies": {}}
+    for policy in policies:
+        print(f"[{policy}] build, memory ...", file=sys.stderr, flush=True)
+        row = {"build_s": build_time_s(policy, num_blocks),
+               "tracemalloc": measure_in_child("tracemalloc", policy, num_blocks),
+               "rss": measure_in_child("rss", policy, num_blocks)}
+        print(f"[{policy}] throughput ...", file=sys.stderr, flush=True)
+        row["ops"] = {str(batch): throughput(policy, batch, ops_blocks, ops_per_batch)
+                      for batch in BATCH_SIZES}
+        results["policies"][policy] = row
+    return results
+
+
+def print_tables(results: dict) -> None:
+    num_blocks = results["num_blocks"]
+    print(f"\nBlockPool, {num_blocks:,} blocks (goals: build < 2 s, <= 200 B/block)")
+    print(f"{'policy':8} {'build s':>8} {'empty B/blk':>12} {'full B/blk':>11} "
+          f"{'empty RSS':>10} {'full RSS':>9}")
+    for policy, row in results["policies"].items():
+        traced, rss = row["tracemalloc"], row["rss"]
+        print(f"{policy:8} {row['build_s']:8.3f} {traced['empty_bytes_per_block']:12.1f} "
+              f"{traced['full_bytes_per_block']:11.1f} {rss['empty_bytes_per_block']:10.1f} "
+              f"{rss['full_bytes_per_block']:9.1f}")
+    print("\nWhere a full pool's bytes go (tracemalloc, bytes per block, >= 1 B):")
+    for policy, row in results["policies"].items():
+        sites = ", ".join(f"{s['site']} {s['bytes_per_block']:.0f}"
+                          for s in row["tracemalloc"]["full_sites"])
+        print(f"  {policy:8} {sites}")
+    print(f"\nOps on a full pool of {results['ops_pool_blocks']:,} cached blocks "
+          "(k blocks/s; calls/s = blocks/s ÷ batch)")
+    print(f"{'policy':8} {'batch':>5} " + " ".join(f"{op:>9}" for op in OPS))
+    for policy, row in results["policies"].items():
+        for batch, ops in row["ops"].items():
+            print(f"{policy:8} {batch:>5} " + " ".join(
+                f"{ops[op]['blocks_per_s'] / 1e3:9.0f}" for op in OPS))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-blocks", type=int, default=1_000_000)
+    parser.add_argument("--policies", default=",".join(sorted(POLICIES)))
+    parser.add_argument("--ops-pool-blocks", type=int, default=65_536)
+    parser.add_argument("--ops-blocks-per-batch-size", type=int, default=65_536,
+                        help="blocks pushed through each op per batch size")
+    parser.add_argument("--out", type=Path, help="directory to write pool.json into")
+    parser.add_argument("--child", choices=("rss", "tracemalloc"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    policies = args.policies.split(",")
+    if args.child:
+        measure = child_rss if args.child == "rss" else child_tracemalloc
+        print(json.dumps(measure(policies[0], args.num_blocks)))
+        return
+    results = run(policies, args.num_blocks, args.ops_pool_blocks, args.ops_blocks_per_batch_size)
+    print_tables(results)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "pool.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -269,7 +269,7 @@ def parse_capacities(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `kvd replay`."""
     parser.add_argument("trace", help="JSONL trace (../shared/traces format)")
-    parser.add_argument("--policy", default=f"lru,lfu,arc,s3fifo,sieve,default",
+    parser.add_argument("--policy", default="lru,lfu,arc,s3fifo,sieve,default",
                         help="comma-separated policies, 'default' or 'all' "
                              f"(default policy: {DEFAULT_POLICY})")
     parser.add_argument("--capacity", default=",".join(map(str, DEFAULT_CAPACITIES)),

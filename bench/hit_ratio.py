@@ -1,0 +1,78 @@
+"""Prefix hit ratio vs capacity for every policy and Belady's OPT on the Mooncake traces.
+
+Prints one markdown table per trace (prefix hit ratio; OPT is the block hit ratio ceiling),
+plus kvd's default policy as a fraction of the best of LRU, LFU, ARC, S3-FIFO and SIEVE — the
+goal of issue 7 is >= 0.98 everywhere. Traces are read from ../shared/traces (never copied).
+
+Run: `python -m bench.hit_ratio [--mode pool|anchor] [--out DIR]` (about a minute per trace in
+pool mode); DIR gets hit_ratio_<mode>.md, .json and one PNG per trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python bench/hit_ratio.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvd.policies import DEFAULT_POLICY, POLICIES  # noqa: E402
+from kvd.replay import DEFAULT_CAPACITIES, MODES, Row, plot_rows, replay_rows  # noqa: E402
+from kvd.traces import load_trace  # noqa: E402
+
+TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
+TRACE_NAMES = ("synthetic_trace.jsonl", "conversation_trace_part1.jsonl")
+CLASSIC = ("lru", "lfu", "arc", "s3fifo", "sieve")
+
+
+def markdown(trace_name: str, rows: list[Row]) -> str:
+    capacities = sorted({row.capacity for row in rows})
+    ratio = {(row.policy, row.capacity): row.prefix_hit_ratio for row in rows}
+    opt = {row.capacity: row.opt_hit_ratio for row in rows}
+    header = "| policy | " + " | ".join(f"{c // 1000}k" for c in capacities) + " |"
+    lines = [f"{trace_name}, prefix hit ratio ({rows[0].mode} replay):", "", header,
+             "|---|" + "---:|" * len(capacities)]
+    for name in dict.fromkeys(row.policy for row in rows):
+        lines.append(f"| {name} | " + " | ".join(f"{ratio[name, c]:.4f}" for c in capacities)
+                     + " |")
+    lines.append("| Belady OPT (block) | " + " | ".join(f"{opt[c]:.4f}" for c in capacities)
+                 + " |")
+    best = {c: max(ratio[name, c] for name in CLASSIC) for c in capacities}
+    lines.append(f"| {DEFAULT_POLICY} / best of five | "
+                 + " | ".join(f"{ratio[DEFAULT_POLICY, c] / best[c]:.3f}" for c in capacities)
+                 + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=MODES, default="pool")
+    parser.add_argument("--out", type=Path, help="write the table, JSON rows and plots here")
+    args = parser.parse_args(argv)
+    missing = [name for name in TRACE_NAMES if not (TRACES / name).is_file()]
+    if missing:
+        print(f"traces {missing} not found under {TRACES.resolve()}: check out ../shared/traces",
+              file=sys.stderr)
+        return 2
+    tables, all_rows = [], {}
+    for trace_name in TRACE_NAMES:
+        rows = replay_rows(load_trace(TRACES / trace_name), list(POLICIES), DEFAULT_CAPACITIES,
+                           args.mode)
+        tables.append(markdown(trace_name, rows))
+        print(tables[-1], flush=True)
+        all_rows[trace_name] = [asdict(row) for row in rows]
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            plot_rows(rows, str(args.out / f"hit_ratio_{args.mode}_{trace_name.split('_')[0]}.png"),
+                      f"{trace_name} ({args.mode} replay)")
+    if args.out:
+        (args.out / f"hit_ratio_{args.mode}.md").write_text("\n".join(tables))
+        (args.out / f"hit_ratio_{args.mode}.json").write_text(json.dumps(all_rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

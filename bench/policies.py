@@ -1,0 +1,114 @@
+"""Per-event cost of every eviction policy vs pool size, and O(1) LFU vs a naive min() LFU.
+
+Each round at N evictable blocks: insert a new key, take a victim, hit a recent key — the
+steady state of a full pool. Goal (issue 2 item 7): the cost at 1M blocks within 1.5x of the cost
+at 1k, and LFU's victim >= 1000x faster than `min()` over a dict at 50k blocks.
+
+Run: `python -m bench.policies [--out DIR]` (about a minute); DIR gets policies.json and
+policies.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python bench/policies.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvd.policies import POLICIES, make_policy  # noqa: E402
+
+SIZES = (1_000, 10_000, 100_000, 1_000_000)
+NUM_ROUNDS = 100_000
+NAIVE_SIZE = 50_000
+
+
+def per_round_ns(name: str, size: int, num_rounds: int = NUM_ROUNDS) -> float:
+    """Nanoseconds per insert + victim + access round with `size` evictable keys."""
+    policy = make_policy(name, size)
+    for key in range(size):
+        policy.inserted(key)
+    inserted, victim, accessed = policy.inserted, policy.victim, policy.accessed
+    start = time.perf_counter_ns()
+    for key in range(size, size + num_rounds):
+        inserted(key)
+        victim()
+        accessed(key - (key & 63))  # a key inserted a few rounds ago: usually still cached
+    return (time.perf_counter_ns() - start) / num_rounds
+
+
+def naive_lfu_victim_ns(size: int, num_victims: int = 50) -> float:
+    """`min()` over {key: (frequency, last use)}: the textbook O(n) LFU victim."""
+    table = {key: (1 + key % 7, key) for key in range(size)}
+    start = time.perf_counter_ns()
+    for key in range(size, size + num_victims):
+        del table[min(table, key=table.__getitem__)]
+        table[key] = (1, key)
+    return (time.perf_counter_ns() - start) / num_victims
+
+
+def lfu_victim_ns(size: int, num_victims: int = 20_000) -> float:
+    """kvd's LFU-DA victim (plus the insert that keeps the size steady)."""
+    policy = make_policy("lfu", size)
+    for key in range(size):
+        policy.inserted(key)
+        for _ in range(key % 7):
+            policy.accessed(key)
+    start = time.perf_counter_ns()
+    for key in range(size, size + num_victims):
+        policy.victim()
+        policy.inserted(key)
+    return (time.perf_counter_ns() - start) / num_victims
+
+
+def measure() -> dict:
+    results: dict = {"sizes": list(SIZES), "per_round_ns": {}, "ratio_1m_1k": {}}
+    for name in POLICIES:
+        costs = [per_round_ns(name, size) for size in SIZES]
+        results["per_round_ns"][name] = costs
+        results["ratio_1m_1k"][name] = costs[-1] / costs[0]
+        cells = "  ".join(f"{cost:8.0f}" for cost in costs)
+        print(f"{name:<8} {cells}   1M/1k = {costs[-1] / costs[0]:.2f}", flush=True)
+    naive, fast = naive_lfu_victim_ns(NAIVE_SIZE), lfu_victim_ns(NAIVE_SIZE)
+    results["lfu_vs_naive_at_50k"] = {"naive_ns": naive, "lfu_ns": fast, "speedup": naive / fast}
+    print(f"LFU victim at {NAIVE_SIZE}: naive min() {naive / 1e3:.0f} us, kvd {fast:.0f} ns "
+          f"-> {naive / fast:.0f}x (goal >= 1000x)")
+    return results
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(figsize=(7, 4.5))
+    for name, costs in results["per_round_ns"].items():
+        axes.plot(results["sizes"], costs, marker="o", label=name)
+    axes.set(xscale="log", xlabel="evictable blocks", ylabel="ns per insert+victim+access",
+             title="Eviction policy cost vs pool size (bench/policies.py)")
+    axes.set_ylim(bottom=0)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write policies.json and policies.png here")
+    args = parser.parse_args(argv)
+    print(f"{'policy':<8} " + "  ".join(f"{size:>8}" for size in SIZES) + "   (ns per round)")
+    results = measure()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "policies.json").write_text(json.dumps(results, indent=1))
+        plot(results, args.out / "policies.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

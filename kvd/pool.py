@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -60,6 +61,14 @@ def _check_key(key: Hashable) -> None:
         raise BadArgsError("block hash None is not a content hash: pass bytes")
 
 
+class PoolObserver(Protocol):
+    """Receives every change to the hash index, in order (kvd.journal.Journal is one)."""
+
+    def sealed(self, block_id: int, key: Hashable) -> None: ...
+
+    def evicted(self, block_id: int) -> None: ...
+
+
 class BlockPool:
     """Metadata of one pool of equally shaped blocks."""
 
@@ -68,12 +77,14 @@ class BlockPool:
         num_blocks: int,
         policy: EvictionPolicy | str = "default",
         generations: np.ndarray | None = None,
+        observer: PoolObserver | None = None,
     ) -> None:
         """Args:
             num_blocks: blocks in the pool (> 0).
             policy: an EvictionPolicy or a registered policy name.
             generations: uint64 array of `num_blocks` counters to maintain (e.g. in shared memory);
                 a private one is made when None.
+            observer: told of every change to the hash index (the crash-recovery journal).
         """
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise BadArgsError(f"num_blocks must be a positive int, got {num_blocks!r}")
@@ -84,6 +95,7 @@ class BlockPool:
         if generations.shape != (num_blocks,):
             raise BadArgsError(f"generations must have shape ({num_blocks},), got {generations.shape}")
         self.generations = generations
+        self.observer = observer
         self._state = bytearray(num_blocks)
         self._refs = [0] * num_blocks
         self._free = array("q", range(num_blocks - 1, -1, -1))  # block 0 allocated first
@@ -171,6 +183,8 @@ class BlockPool:
                 f"policy {self.policy.name!r} chose victim {key!r} that is not a cached block "
                 f"(block {block_id}): bug in the policy or in the pool's event calls")
         self._hashes[block_id] = None
+        if self.observer is not None:
+            self.observer.evicted(block_id)
         self._to_free(block_id)
         self.counters["evictions"] += 1
 
@@ -209,6 +223,8 @@ class BlockPool:
             is_new = key not in self._index
             if is_new:
                 self._index[key] = block_id
+                if self.observer is not None:
+                    self.observer.sealed(block_id, key)
             indexed.append(is_new)
         self._num_owned -= len(block_ids)
         self._num_sealed += len(block_ids)
@@ -317,6 +333,31 @@ class BlockPool:
         else:  # a duplicate: nobody can look it up, so keeping it would only waste a block
             self._hashes[block_id] = None
             self._to_free(block_id)
+
+    # ---- recovery --------------------------------------------------------------------------
+    def restore(self, block_ids: Sequence[int], keys: Sequence[Hashable]) -> None:
+        """Make blocks CACHED under their keys, oldest first (a fresh pool after a crash).
+
+        Every other block stays FREE. Raises InternalError if the pool is not fresh, and
+        BadArgsError for a bad id or a key or block given twice.
+        """
+        if len(self._free) != self.num_blocks:
+            raise InternalError("restore() needs a fresh pool: blocks are already in use")
+        if len(block_ids) != len(keys):
+            raise BadArgsError(f"restore got {len(block_ids)} block ids but {len(keys)} keys")
+        if len(set(block_ids)) != len(block_ids) or len(set(keys)) != len(keys):
+            raise BadArgsError("restore names a block or a key twice: the journal is corrupt")
+        for block_id in block_ids:
+            self._checked_id(block_id)
+        state, hashes, index, inserted = self._state, self._hashes, self._index, \
+            self.policy.inserted
+        for block_id, key in zip(block_ids, keys):
+            state[block_id] = CACHED
+            hashes[block_id] = key
+            index[key] = block_id
+            inserted(key)
+        self._free = array("q", (i for i in range(self.num_blocks - 1, -1, -1)
+                                 if state[i] == FREE))
 
     # ---- checking ------------------------------------------------------------------------
     def _checked_id(self, block_id: int) -> int:

@@ -31,12 +31,22 @@ os.environ["XDG_RUNTIME_DIR"] = _RUNTIME_DIR
 import kvd  # noqa: E402  (after XDG_RUNTIME_DIR: the runtime dir is read at call time anyway)
 from kvd.runtime import DaemonPaths  # noqa: E402
 
+# Names of daemons started by this run carry RUN_TAG, so the leak checks see only this run's
+# segments even when other test runs share the machine.
+RUN_TAG = uuid.uuid4().hex[:6]
+
 SMALL_GEOMETRY = {"num_blocks": 64, "layers": 2, "kv_heads": 2, "head_dim": 8,
                   "block_size": 4, "dtype": "float32"}
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(_RUNTIME_DIR, ignore_errors=True)
+    leaked = kvd_segments()
+    for name in leaked:
+        os.unlink(f"/dev/shm/{name}")
+    if leaked and session.exitstatus == 0:
+        print(f"\nFAILED: this test run leaked shared-memory segments {sorted(leaked)}")
+        session.exitstatus = 1
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -48,8 +58,14 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def daemon_name(prefix: str = "t") -> str:
+    """A unique daemon name that the leak checks of this run recognise."""
+    return f"{prefix}{RUN_TAG}-{uuid.uuid4().hex[:8]}"
+
+
 def kvd_segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("kvd")}
+    """This run's kvd segments in /dev/shm."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("kvd") and RUN_TAG in name}
 
 
 @pytest.fixture(autouse=True)
@@ -120,7 +136,7 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonHandle]]:
     handles: list[DaemonHandle] = []
 
     def start(extra_args: list[str] | None = None, **options: object) -> DaemonHandle:
-        name = f"t-{uuid.uuid4().hex[:10]}"
+        name = daemon_name()
         log_path = tmp_path / f"{name}.log"
         proc = start_daemon_process(name, log_path, extra_args, **options)
         handle = DaemonHandle(name, proc, DaemonPaths.for_name(name), log_path)

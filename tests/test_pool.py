@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvd.errors import BadArgsError, InternalError, InUseError, KvdError, NotFoundError
-from kvd.policies import POLICIES, LRUPolicy
+from kvd.policies import DEFAULT_POLICY, POLICIES, LRUPolicy
 from kvd.pool import BlockPool
 
 A, B = 1, 2  # owners (sessions)
@@ -85,7 +85,7 @@ def test_unknown_policy_lists_choices():
 
 
 def test_default_policy_and_policy_instance():
-    assert BlockPool(4).policy.name == "lru"
+    assert BlockPool(4).policy.name == DEFAULT_POLICY
     policy = LRUPolicy(4)
     assert BlockPool(4, policy).policy is policy
 

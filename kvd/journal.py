@@ -1,0 +1,147 @@
+"""The write-ahead journal of the hash index: what lets a restarted daemon keep its KV blocks.
+
+Theory of operation
+-------------------
+POSIX shared memory outlives the daemon, so after a crash every sealed block's bytes are still in
+the segment; what dies is the in-memory map from content hash to block. The journal keeps that
+map in SQLite (WAL mode, `synchronous=NORMAL`: a committed transaction survives the process
+crashing — only an OS crash or power loss can lose the last commits, and those lose /dev/shm too).
+
+    stamp(key, value)          layout version, hash version, geometry, segment uuid, boot id
+    blocks(block_id PK, hash, seal_seq)   one row per *indexed* sealed block
+
+Write rule (what makes recovery trustworthy):
+  * a seal is acknowledged only after its row is committed — otherwise a client could be told
+    "sealed" for a block that recovery would not restore;
+  * an eviction's DELETE is committed before the evicted block's new owner hears its id — the new
+    owner overwrites the bytes, and a surviving row would then restore garbage under the old hash.
+The daemon guarantees both by holding every reply of a loop iteration until `commit()` returns
+(a group commit: one transaction per iteration however many clients sealed in it).
+
+Only indexed seals are journaled: unsealed (OWNED) blocks and private duplicates die with their
+sessions anyway, and old sessions' pins are dropped on recovery — every restored block is CACHED.
+
+Failpoints: `KVD_FAILPOINT=<name>` makes the daemon SIGKILL itself at that point, so tests can
+crash it exactly there: before-commit, after-commit-before-reply, mid-eviction, during-recovery.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from kvd.errors import JournalError
+
+FAILPOINTS = ("before-commit", "after-commit-before-reply", "mid-eviction", "during-recovery")
+JOURNAL_FILENAME = "journal.sqlite3"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS stamp (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS blocks (
+    block_id INTEGER PRIMARY KEY,
+    hash BLOB NOT NULL,
+    seal_seq INTEGER NOT NULL
+);
+"""
+
+
+def failpoint(name: str) -> None:
+    """Crash this process (SIGKILL: no cleanup at all) if KVD_FAILPOINT names `name`."""
+    if os.environ.get("KVD_FAILPOINT") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Journal:
+    """The hash-index journal in `state_dir`. Writes are buffered until `commit()`."""
+
+    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.path = self.state_dir / JOURNAL_FILENAME
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise JournalError(f"cannot open the journal {self.path}: {exc}") from None
+        os.chmod(self.path, 0o600)
+        self._seals: list[tuple[int, bytes, int]] = []
+        self._evictions: list[tuple[int]] = []
+        row = self._db.execute("SELECT COALESCE(MAX(seal_seq), 0) FROM blocks").fetchone()
+        self._seal_seq = row[0]
+
+    # ---- the pool observer interface (called from BlockPool) ------------------------------
+    def sealed(self, block_id: int, key: Any) -> None:
+        self._seal_seq += 1
+        self._seals.append((block_id, key, self._seal_seq))
+
+    def evicted(self, block_id: int) -> None:
+        failpoint("mid-eviction")
+        self._evictions.append((block_id,))
+
+    # ---- committing ------------------------------------------------------------------------
+    @property
+    def is_dirty(self) -> bool:
+        return bool(self._seals or self._evictions)
+
+    def commit(self) -> None:
+        """Write every buffered change in one transaction. Raises JournalError on failure."""
+        if not self.is_dirty:
+            return
+        evictions, seals = self._evictions, self._seals
+        self._evictions, self._seals = [], []
+        failpoint("before-commit")
+        try:
+            self._db.execute("BEGIN")
+            # Evictions first: a block evicted and re-sealed in one iteration keeps its new row.
+            self._db.executemany("DELETE FROM blocks WHERE block_id = ?", evictions)
+            self._db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?)", seals)
+            self._db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._rollback()
+            raise JournalError(f"journal write to {self.path} failed: {exc}") from None
+
+    def _rollback(self) -> None:
+        try:
+            self._db.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass  # no transaction was open: nothing to undo
+
+    # ---- stamp and recovery ----------------------------------------------------------------
+    def read_stamp(self) -> dict[str, Any]:
+        rows = self._db.execute("SELECT key, value FROM stamp").fetchall()
+        return {key: json.loads(value) for key, value in rows}
+
+    def reset(self, stamp: dict[str, Any]) -> None:
+        """Forget every block and record a new stamp (a clean start)."""
+        self._seals.clear()
+        self._evictions.clear()
+        self._db.execute("BEGIN")
+        self._db.execute("DELETE FROM blocks")
+        self._db.execute("DELETE FROM stamp")
+        self._db.executemany("INSERT INTO stamp VALUES (?, ?)",
+                             [(key, json.dumps(value)) for key, value in stamp.items()])
+        self._db.execute("COMMIT")
+        self._seal_seq = 0
+
+    def load(self) -> tuple[list[int], list[bytes]]:
+        """Journaled blocks in seal order: (block ids, hashes)."""
+        rows = self._db.execute("SELECT block_id, hash FROM blocks ORDER BY seal_seq").fetchall()
+        return [row[0] for row in rows], [row[1] for row in rows]
+
+    def close(self) -> None:
+        self._db.close()
+
+    def remove(self) -> None:
+        """Close and delete the journal files (a plain `kvd stop`)."""
+        self.close()
+        for suffix in ("", "-wal", "-shm"):
+            try:
+                os.unlink(f"{self.path}{suffix}")
+            except FileNotFoundError:
+                pass

@@ -82,8 +82,10 @@ class PageTable:
         hit_ids = self.pool.lookup(hashes, owner)
         new_ids = self.pool.allocate(self._blocks_for(num_tokens) - len(hit_ids), owner)
         if new_ids is None:
+            # The message first: counted after the release, the hits would look available.
+            message = self._no_space(self._blocks_for(num_tokens) - len(hit_ids))
             self.pool.release(hit_ids, owner)
-            raise NoSpaceError(self._no_space(self._blocks_for(num_tokens) - len(hit_ids)))
+            raise NoSpaceError(message)
         record = SequenceRecord(owner, owner, salt, bytearray(tokens), hit_ids + new_ids,
                                 hashes[: len(hit_ids)])
         self.sequences[record.seq_id] = record

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvd.errors import (
-    BadArgsError, NoSpaceError, NotFoundError, ProtocolError, UnknownOpError, VersionError,
+    BadArgsError, InternalError, JournalError, NoSpaceError, NotFoundError, ProtocolError, UnknownOpError,
+    VersionError,
 )
 from kvd.geometry import Geometry
 from kvd.hashing import HASH_VERSION
@@ -40,6 +41,9 @@ from kvd.protocol import (
 MAX_BATCH = 1 << 16  # ids or hashes per request
 MAX_KEY_NBYTES = 64  # a content hash; kvd.hash_blocks makes 16
 MAX_SALT_NBYTES = 256
+# KVD_DEBUG=1 in the daemon's environment adds the `check_invariants` op (tests and soaks use it;
+# it is O(num_blocks), so it stays off in production).
+DEBUG_ENV = "KVD_DEBUG"
 
 
 @dataclass
@@ -63,6 +67,9 @@ class Service:
             ops: per-op request and error counts to report in `stats` (the daemon's).
         """
         self.ops = ops or OpStats()
+        # Set while the journal cannot be written: writes fail closed with this reason.
+        self.write_error: str | None = None
+        self.journal_state = "off"  # "ok" when the daemon journals
         self.pool = pool
         self.geometry = geometry
         self.info = info
@@ -78,6 +85,8 @@ class Service:
             "seq_commit": self._seq_commit, "seq_fork": self._seq_fork,
             "seq_close": self._seq_close, "seq_info": self._seq_info,
         }
+        if os.environ.get(DEBUG_ENV) == "1":
+            self._ops["check_invariants"] = self._check_invariants
 
     @property
     def op_names(self) -> dict[str, Any]:
@@ -121,6 +130,11 @@ class Service:
         return {"session_id": session.session_id, "protocol_version": PROTOCOL_VERSION,
                 "hash_version": HASH_VERSION, "geometry": self.geometry.to_dict(), **self.info}
 
+    def _check_writable(self) -> None:
+        if self.write_error is not None:
+            raise JournalError(f"the daemon refuses allocations and seals until its journal can "
+                               f"be written again ({self.write_error}); lookups and reads go on")
+
     def _block_ids(self, args: dict[str, Any]) -> list[int]:
         return arg_int_list(args, "block_ids", MAX_BATCH, max_value=self.pool.num_blocks - 1)
 
@@ -132,6 +146,7 @@ class Service:
         return hashes
 
     def _alloc(self, session: Session, args: dict[str, Any]) -> list[int]:
+        self._check_writable()
         check_no_extra(args, ("num_blocks",))
         num_blocks = arg_int(args, "num_blocks", 0, self.pool.num_blocks)
         block_ids = self.pool.allocate(num_blocks, session.session_id)
@@ -140,6 +155,7 @@ class Service:
         return block_ids
 
     def _seal(self, session: Session, args: dict[str, Any]) -> list[bool]:
+        self._check_writable()
         check_no_extra(args, ("block_ids", "hashes"))
         return self.pool.seal(self._block_ids(args), self._hashes(args), session.session_id)
 
@@ -168,7 +184,31 @@ class Service:
             "uptime_s": round(time.time() - self.started_at, 3),
             "geometry": self.geometry.to_dict(), "daemon_pid": os.getpid(),
             "requests": self.ops.requests(), "errors": dict(self.ops.errors),
+            "journal": "failed" if self.write_error else self.journal_state,
         }
+
+    def _check_invariants(self, session: Session, args: dict[str, Any]) -> list[list[int]]:
+        """Debug op: raise InternalError if an invariant fails, else `[session_id, pid, pins]`
+        for every live session (a test polls it to time how fast a dead worker is reclaimed)."""
+        check_no_extra(args, ())
+        self.check_invariants()
+        return [[s.session_id, s.pid, self._num_pins(s)] for s in self.sessions.values()]
+
+    def _num_pins(self, session: Session) -> int:
+        return sum(sum(self.pool.holdings(owner).values())
+                   for owner in (session.session_id, *session.seq_ids))
+
+    def check_invariants(self) -> None:
+        """The pool's invariants, plus: every pin and sequence belongs to a live session."""
+        self.pool.check_invariants()
+        seq_ids = set().union(*(s.seq_ids for s in self.sessions.values()))
+        if seq_ids != set(self.page_table.sequences):
+            raise InternalError(f"open sequences {sorted(self.page_table.sequences)} != those of "
+                                f"live sessions {sorted(seq_ids)}: a session leaked a sequence")
+        stray = set(self.pool.owners()) - seq_ids - set(self.sessions)
+        if stray:
+            raise InternalError(f"pool owners {sorted(stray)} are neither live sessions nor "
+                                "their sequences: a closed session's pins were not released")
 
     # ---- sequences -----------------------------------------------------------------------
     def _sequence(self, session: Session, args: dict[str, Any]) -> SequenceRecord:
@@ -190,6 +230,7 @@ class Service:
                 "num_tokens": record.num_tokens, "num_sealed_blocks": record.num_sealed, **extra}
 
     def _seq_open(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        self._check_writable()
         check_no_extra(args, ("tokens", "salt", "max_cached_tokens"))
         tokens = self._tokens(args)
         salt = arg_bytes(args, "salt", MAX_SALT_NBYTES, b"")
@@ -199,6 +240,7 @@ class Service:
         return self._describe(record, num_cached_tokens=num_cached)
 
     def _seq_extend(self, session: Session, args: dict[str, Any]) -> list[int]:
+        self._check_writable()
         check_no_extra(args, ("seq_id", "tokens", "num_computed"))
         record = self._sequence(session, args)
         tokens = self._tokens(args)
@@ -206,12 +248,14 @@ class Service:
         return self.page_table.extend(record, tokens, num_computed)
 
     def _seq_commit(self, session: Session, args: dict[str, Any]) -> int:
+        self._check_writable()
         check_no_extra(args, ("seq_id", "num_computed"))
         record = self._sequence(session, args)
         num_computed = arg_int(args, "num_computed", 0, record.num_tokens, record.num_tokens)
         return self.page_table.commit(record, num_computed)
 
     def _seq_fork(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        self._check_writable()
         check_no_extra(args, ("seq_id",))
         child = self.page_table.fork(self._sequence(session, args))
         session.seq_ids.add(child.seq_id)

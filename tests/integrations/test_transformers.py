@@ -1,0 +1,164 @@
+"""Acceptance: Hugging Face transformers generating on a kvd-backed cache, across processes.
+
+Process A generates for P1 on a KvdCache and seals its blocks; process B reuses A's blocks for
+P2 (48 shared tokens) and for P1 itself (the cap rule), then runs a negative control. Both
+processes are real (`hf_run.py`), against a real daemon; the reference is the same model on a
+DynamicCache in this process. Tokens must be equal and logits within 1e-4 (they are bitwise
+equal here), for float32, float16 and bfloat16 pools.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.integration
+
+torch = pytest.importorskip(
+    "torch", reason="torch is not installed: `pip install -e '.[engines]'` runs this test")
+pytest.importorskip(
+    "transformers", reason="transformers is not installed: `pip install -e '.[engines]'`")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import kvd  # noqa: E402
+from kvd.integrations.transformers import KvdCache, generate_with_kvd  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from hf_run import BLOCK_SIZE, CONFIG, GENERATE, prompts, tiny_llama  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+ROOT = HERE.parents[1]
+LOGITS_ATOL = 1e-4
+NUM_BLOCKS = 64
+
+
+def _pool_options(dtype: str) -> dict[str, object]:
+    return {"num_blocks": NUM_BLOCKS, "layers": CONFIG["num_hidden_layers"],
+            "kv_heads": CONFIG["num_key_value_heads"],
+            "head_dim": CONFIG["hidden_size"] // CONFIG["num_attention_heads"],
+            "block_size": BLOCK_SIZE, "dtype": dtype}
+
+
+def _run_process(daemon_name: str, dtype: str, role: str, out: Path) -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    subprocess.run([sys.executable, str(HERE / "hf_run.py"), "--daemon", daemon_name,
+                    "--dtype", dtype, "--role", role, "--out", str(out)],
+                   env=env, check=True, timeout=300)
+    with np.load(out) as arrays:
+        runs: dict[str, dict] = {}
+        for key in arrays.files:
+            run, field = key.split("_", 1)
+            value = arrays[key]
+            runs.setdefault(run, {})[field] = json.loads(str(value)) if field == "meta" else value
+    return runs
+
+
+def _reference(model, prompt: list[int]) -> dict[str, np.ndarray]:
+    """The same model on transformers' own DynamicCache."""
+    output = model.generate(torch.tensor([prompt]), **GENERATE)
+    return {"tokens": output.sequences[0].numpy(),
+            "logits": torch.cat(output.logits).float().numpy()}
+
+
+def _assert_matches(run: dict, reference: dict) -> None:
+    np.testing.assert_array_equal(run["tokens"], reference["tokens"])
+    np.testing.assert_allclose(run["logits"], reference["logits"], rtol=0, atol=LOGITS_ATOL)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_processes_share_prefix_blocks_and_match_dynamic_cache(daemon_factory, tmp_path, dtype):
+    daemon = daemon_factory(**_pool_options(dtype))
+    p1, p2 = prompts()
+    model = tiny_llama(dtype)
+    reference = {"p1": _reference(model, p1), "p2": _reference(model, p2)}
+
+    a = _run_process(daemon.name, dtype, "first", tmp_path / "a.npz")
+    _assert_matches(a["p1"], reference["p1"])
+    assert a["p1"]["meta"]["num_cached_tokens"] == 0
+    assert a["p1"]["meta"]["prefill_tokens"] == 64
+
+    b = _run_process(daemon.name, dtype, "second", tmp_path / "b.npz")
+    a_blocks = a["p1"]["meta"]["block_ids"]
+    for run in ("p2", "p1"):  # P2 shares 3 blocks; P1 is capped at floor(63 / 16) = 3 blocks
+        meta = b[run]["meta"]
+        _assert_matches(b[run], reference[run])
+        assert meta["num_cached_tokens"] == 3 * BLOCK_SIZE
+        assert meta["block_ids"][:3] == a_blocks[:3], "B must read A's very blocks"
+        assert meta["prefill_tokens"] == 16, "B must compute only the 16 uncached prompt tokens"
+        assert meta["num_computed_tokens"] == 16 + GENERATE["max_new_tokens"] - 1
+
+    # Negative control: the prefix mapped one block late must visibly change the logits.
+    shifted_error = np.abs(b["shifted"]["logits"][0] - reference["p1"]["logits"][0]).max()
+    assert shifted_error > 100 * LOGITS_ATOL, f"corrupt KV went unnoticed ({shifted_error})"
+
+    with daemon.connect() as client:
+        stats = client.stats()
+    assert stats["free"] + stats["owned"] + stats["sealed"] + stats["cached"] == NUM_BLOCKS
+    assert stats["owned"] == stats["sealed"] == stats["sequences"] == 0, "no pins may remain"
+    # 95 computed tokens = 5 sealed blocks per 96-token sequence. A: P1's 5 blocks. B's P2 run:
+    # 2 new ones (its first 3 are A's). B's P1 run and the control recompute blocks A already
+    # sealed: duplicates are freed, not cached.
+    assert stats["cached"] == stats["indexed"] == 7
+
+
+@pytest.fixture
+def float32_pool(daemon_factory):
+    daemon = daemon_factory(**_pool_options("float32"))
+    with daemon.connect() as client:
+        yield client
+
+
+def test_generate_with_kvd_reuses_its_own_blocks_in_process(float32_pool):
+    model = tiny_llama("float32")
+    p1, _ = prompts()
+    first = generate_with_kvd(model, float32_pool, p1, **GENERATE)
+    again = generate_with_kvd(model, float32_pool, p1, **GENERATE)
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 48)
+    assert torch.equal(first.output.sequences, again.output.sequences)
+
+
+def test_model_that_does_not_fit_the_pool_is_refused_before_allocating(float32_pool):
+    p1, _ = prompts()
+    half = tiny_llama("float16")
+    with pytest.raises(kvd.BadArgsError, match="dtype torch.float16"):
+        KvdCache(float32_pool, half, p1)
+    torch.manual_seed(0)
+    wider = LlamaForCausalLM(LlamaConfig(**{**CONFIG, "num_key_value_heads": 4})).eval()
+    with pytest.raises(kvd.BadArgsError, match="num_kv_heads 4"):
+        KvdCache(float32_pool, wider, p1)
+    stats = float32_pool.stats()
+    assert stats["owned"] == stats["sequences"] == 0
+
+
+def test_views_do_not_outlive_the_mapping(daemon_factory):
+    daemon = daemon_factory(**_pool_options("float32"))
+    model = tiny_llama("float32")
+    p1, _ = prompts()
+    client = daemon.connect()
+    cache = KvdCache(client, model, p1)
+    with pytest.raises(kvd.InUseError):
+        client.close()  # a live cache holds views of the mapping; the session ends anyway
+    with pytest.raises(kvd.DisconnectedError):
+        cache.close()  # cannot commit without a session, but drops its views first
+    client = daemon.connect()
+    cache = KvdCache(client, model, p1)
+    cache.close()
+    client.close()  # closed cache: no view left
+    with pytest.raises(kvd.BadArgsError, match="closed"):
+        model(torch.tensor([p1[:1]]), cache=cache)
+
+
+def test_tokens_other_than_the_prompt_are_refused(float32_pool):
+    model = tiny_llama("float32")
+    p1, p2 = prompts()
+    with KvdCache(float32_pool, model, p1) as cache:
+        with pytest.raises(kvd.BadArgsError, match="same input_ids"):
+            model.generate(torch.tensor([p2]), cache=cache, max_new_tokens=1)

@@ -187,23 +187,28 @@ def run_conversation(generate: GenerateFn, conversation: Conversation, num_new_t
 
 def run_worker(args: argparse.Namespace) -> tuple[WorkerStats, list[np.ndarray]]:
     """Connect, run this worker's conversations, return its stats and every request's logits."""
+    with kvd.connect(args.name) as client:
+        # The decoder holds views of the segment: it must be gone before the client unmaps it,
+        # so it lives only inside _serve.
+        return _serve(client, args)
+
+
+def _serve(client: kvd.Client, args: argparse.Namespace) -> tuple[WorkerStats, list[np.ndarray]]:
+    config = config_for_geometry(client.geometry, args.heads_per_kv, args.vocab_size, args.seed)
+    decoder = KvdDecoder(client, DecoderLM(config))
     stats = WorkerStats(args.worker_id)
     all_logits: list[np.ndarray] = []
-    with kvd.connect(args.name) as client:
-        config = config_for_geometry(client.geometry, args.heads_per_kv, args.vocab_size, args.seed)
-        decoder = KvdDecoder(client, DecoderLM(config))
 
-        def generate(prompt: np.ndarray, n: int) -> tuple[list[int], list[np.ndarray]]:
-            tokens, step_logits, request_stats = decoder.generate(prompt, n)
-            stats.add(request_stats)
-            return tokens, step_logits
+    def generate(prompt: np.ndarray, n: int) -> tuple[list[int], list[np.ndarray]]:
+        tokens, step_logits, request_stats = decoder.generate(prompt, n)
+        stats.add(request_stats)
+        return tokens, step_logits
 
-        for conversation in conversations(
-                args.worker_id, args.num_workers, args.conversations, args.turns,
-                args.system_prompts, args.system_tokens, args.user_tokens, args.vocab_size,
-                args.seed):
-            for step_logits in run_conversation(generate, conversation, args.new_tokens):
-                all_logits.append(np.stack(step_logits))
+    for conversation in conversations(
+            args.worker_id, args.num_workers, args.conversations, args.turns,
+            args.system_prompts, args.system_tokens, args.user_tokens, args.vocab_size, args.seed):
+        for step_logits in run_conversation(generate, conversation, args.new_tokens):
+            all_logits.append(np.stack(step_logits))
     return stats, all_logits
 
 

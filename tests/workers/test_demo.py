@@ -1,0 +1,49 @@
+"""`kvd demo` end to end: exits 0, prints what happened, leaves nothing behind — also on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+SMALL = ["--workers", "2", "--conversations", "1", "--turns", "2", "--system-tokens", "64",
+         "--user-tokens", "16", "--new-tokens", "8", "--num-blocks", "64"]
+
+
+def _our_demo_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith(f"kvd-{os.getuid()}-demo-")}
+
+
+def test_demo_runs_and_cleans_up(worker_env: dict, source_root: Path) -> None:
+    before = _our_demo_segments()
+    done = subprocess.run([sys.executable, "-m", "kvd.cli", "demo", *SMALL], env=worker_env,
+                          cwd=source_root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert re.search(r"^\s+0\s+2\s+16\s+\d+\s+[\d.]+%", out, re.M), out   # worker 0's row
+    assert re.search(r"^\s+all\s+4\s+32\s", out, re.M), out
+    assert "evictions" in out and "daemon stopped" in out
+    assert _our_demo_segments() == before
+
+
+def test_demo_interrupted_stops_daemon_and_workers(worker_env: dict, source_root: Path) -> None:
+    before = _our_demo_segments()
+    proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "demo", *SMALL, "--turns", "50"],
+                            env=worker_env, cwd=source_root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    first_line = proc.stdout.readline()          # printed once the daemon is up
+    assert first_line.startswith("kvd demo: daemon"), first_line
+    time.sleep(1.0)                                # workers are running now
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert _our_demo_segments() == before

@@ -7,7 +7,7 @@ import pytest
 
 import kvd
 from kvd import PagedKVCache
-from kvd.policies import POLICIES
+from kvd.policies import DEFAULT_POLICY, POLICIES
 
 USAGE_KEYS = ("total_blocks", "used_blocks", "free_blocks", "utilization")
 
@@ -150,7 +150,8 @@ def test_stats_start_empty_and_count_hits_and_misses():
 
 
 def test_default_policy_name_is_accepted():
-    assert PagedKVCache(num_blocks=2, eviction_policy="default").stats()["policy"] == "lru"
+    cache = PagedKVCache(num_blocks=2, eviction_policy="default")
+    assert cache.stats()["policy"] == DEFAULT_POLICY
 
 
 def test_layers_are_separate_keys():

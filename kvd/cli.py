@@ -49,7 +49,10 @@ def _add_start(subparsers: Any) -> None:
     parser.add_argument("--policy", default="default",
                         help=f"eviction policy: {', '.join(sorted(POLICIES))} or default "
                              f"({DEFAULT_POLICY})")
-    parser.add_argument("--state-dir", help="journal directory for crash recovery")
+    parser.add_argument("--state-dir", help="journal directory for crash recovery "
+                        "(default: $XDG_STATE_HOME/kvd/NAME or ~/.local/state/kvd/NAME)")
+    parser.add_argument("--no-journal", action="store_true",
+                        help="no crash-recovery journal (seals are cheaper; nothing survives)")
     parser.add_argument("--recover", action="store_true",
                         help="re-attach the segment and journal a crashed daemon left")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1")
@@ -75,7 +78,9 @@ def cmd_start(args: argparse.Namespace) -> int:
                            f"{', '.join(sorted(POLICIES))} or default")
     paths = DaemonPaths.for_name(args.name, args.socket)
     geometry = _geometry(args)
-    daemon = Daemon(paths, geometry, args.policy, metrics_port=args.metrics_port)
+    daemon = Daemon(paths, geometry, args.policy, metrics_port=args.metrics_port,
+                    state_dir=args.state_dir, recover=args.recover,
+                    journal=not args.no_journal)
     if args.detach:
         return _detach(daemon, paths, args.log_level)
     _setup_logging(args.log_level, sys.stderr)

@@ -40,8 +40,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvd.errors import DeniedError, InternalError, KvdError, ProtocolError
+import numpy as np
+
+from kvd.errors import DeniedError, InternalError, JournalError, KvdError, ProtocolError
 from kvd.geometry import Geometry
+from kvd.hashing import HASH_VERSION
+from kvd.journal import Journal, failpoint
 from kvd.metrics import OpStats, serve_metrics
 from kvd.pool import BlockPool
 from kvd.protocol import (
@@ -49,7 +53,8 @@ from kvd.protocol import (
     unpack_body,
 )
 from kvd.runtime import DaemonPaths
-from kvd.segment import Segment
+from kvd.runtime import state_dir as state_dir_of
+from kvd.segment import LAYOUT_VERSION, Segment, current_boot_id
 from kvd.service import Service, Session
 
 log = logging.getLogger("kvd")
@@ -59,13 +64,16 @@ MAX_OUTPUT_NBYTES = 16 * 1024 * 1024
 _PEERCRED = struct.Struct("3i")
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: connections live in sets
 class Connection:
     sock: socket.socket
     session: Session
     pidfd: int | None
     decoder: FrameDecoder = field(default_factory=FrameDecoder)
     output: bytearray = field(default_factory=bytearray)
+    # Replies of this loop iteration, held until the journal commits:
+    # (request_id, reply frame, whether the request changed journaled state).
+    pending: list[tuple[int | None, bytes, bool]] = field(default_factory=list)
     is_writing: bool = False  # registered for EVENT_WRITE
 
 
@@ -109,21 +117,34 @@ class Daemon:
     """A kvd daemon serving one pool. `start()`, then `serve_forever()`; `stop()` from a handler."""
 
     def __init__(self, paths: DaemonPaths, geometry: Geometry, policy: str = "default",
-                 metrics_port: int | None = None, keep_on_stop: bool = False) -> None:
+                 metrics_port: int | None = None, state_dir: str | None = None,
+                 recover: bool = False, journal: bool = True) -> None:
+        """Args:
+            state_dir: where the journal lives (default: runtime.state_dir(name)).
+            recover: re-attach the segment and journal a previous daemon left, if they match.
+            journal: keep the crash-recovery journal (off: faster seals, nothing survives).
+        """
         self.paths = paths
         self.geometry = geometry
         self.policy_name = policy
         self.metrics_port = metrics_port
-        self.keep_on_stop = keep_on_stop
+        self.state_dir = state_dir or str(state_dir_of(paths.name))
+        self.is_recovering = recover
+        self.is_journaled = journal
+        self.keep_on_stop = False
+        self.journal: Journal | None = None
+        self.num_restored = 0
         self.ops = OpStats()
         self._lock_fd: int | None = None
         self._listener: socket.socket | None = None
         self._selector = selectors.DefaultSelector()
         self._connections: dict[int, Connection] = {}  # by socket fd
+        self._replied: set[Connection] = set()  # connections with replies held for the commit
         self._signal_r, self._signal_w = socket.socketpair()
         self._signal_r.setblocking(False)
         self._signal_w.setblocking(False)
         self._is_stopping = False
+        self._next_journal_retry = 0.0
         self.segment: Segment | None = None
         self.service: Service | None = None
 
@@ -132,7 +153,7 @@ class Daemon:
         self._lock_fd = take_lock(self.paths)
         try:
             self._install_signals()  # first: a SIGTERM during start must still clean up
-            self._create_segment()
+            self._open_pool()
             self._bind()
             self._write_pidfile()
             if self.metrics_port is not None:
@@ -141,18 +162,68 @@ class Daemon:
             self._cleanup()
             raise
 
+    def _open_pool(self) -> None:
+        """Recover the previous segment and index if asked and valid, else start clean."""
+        if self.is_journaled:
+            self.journal = Journal(self.state_dir)
+        recovered = self._recover() if self.is_recovering else None
+        if recovered is None:
+            self._create_segment()
+            block_ids, hashes = [], []
+        else:
+            self.segment, block_ids, hashes = recovered
+        pool = BlockPool(self.geometry.num_blocks, self.policy_name, self.segment.generations,
+                         observer=self.journal)
+        if recovered is not None:
+            failpoint("during-recovery")
+            pool.restore(block_ids, hashes)
+            _bump_free_generations(pool, self.segment.generations)
+            self.num_restored = len(block_ids)
+            log.info("recovered segment %s: %d sealed blocks restored from %s",
+                     self.segment.name, len(block_ids), self.journal.path)
+        info = {"segment": self.segment.name, "segment_uuid": self.segment.uuid,
+                "daemon_pid": os.getpid(), "name": self.paths.name}
+        self.service = Service(pool, self.geometry, _block_copier(self.segment.pool), info,
+                               self.ops)
+        if self.journal is not None:
+            self.service.journal_state = "ok"
+
     def _create_segment(self) -> None:
         stale = f"/dev/shm{self.paths.segment_name}"
         if os.path.exists(stale):  # we hold the lock, so no live daemon uses it
-            log.warning("removing stale segment %s left by a daemon that did not stop cleanly",
-                        self.paths.segment_name)
+            log.warning("removing stale segment %s left by a daemon that did not stop cleanly "
+                        "(kvd start --recover keeps it)", self.paths.segment_name)
             os.unlink(stale)
         self.segment = Segment.create(self.paths.segment_name, self.geometry)
-        pool = BlockPool(self.geometry.num_blocks, self.policy_name, self.segment.generations)
-        blocks = self.segment.pool
-        info = {"segment": self.segment.name, "segment_uuid": self.segment.uuid,
-                "daemon_pid": os.getpid(), "name": self.paths.name}
-        self.service = Service(pool, self.geometry, _block_copier(blocks), info, self.ops)
+        if self.journal is not None:
+            self.journal.reset(_stamp(self.segment))
+
+    def _recover(self) -> tuple[Segment, list[int], list[bytes]] | None:
+        """The previous segment and its journaled blocks, or None (logged) to start clean."""
+        if self.journal is None:
+            log.warning("recovery: --recover needs the journal; starting clean")
+            return None
+        try:
+            segment = Segment.attach(self.paths.segment_name)
+        except KvdError as exc:
+            log.warning("recovery: no usable segment (%s); starting clean", exc)
+            return None
+        expected = _stamp(segment)
+        stamp = self.journal.read_stamp()
+        reason = None
+        if segment.boot_id != current_boot_id():
+            reason = "the segment is from another boot"
+        elif segment.geometry != self.geometry:
+            reason = f"geometry changed from {segment.geometry} to {self.geometry}"
+        elif stamp != expected:
+            reason = (f"the journal in {self.journal.path} does not describe this segment "
+                      f"(journal {stamp or 'empty'}, segment {expected})")
+        if reason is not None:
+            log.warning("recovery: %s; starting clean", reason)
+            segment.close()
+            return None
+        block_ids, hashes = self.journal.load()
+        return segment, block_ids, hashes
 
     def _bind(self) -> None:
         path = self.paths.socket_path
@@ -202,6 +273,11 @@ class Daemon:
             self._unlink_quietly(self.paths.socket_path)
         if self.segment is not None and not self.keep_on_stop:
             self.segment.unlink()
+        if self.journal is not None:
+            if self.keep_on_stop:
+                self.journal.close()
+            else:
+                self.journal.remove()
         self._unlink_quietly(self.paths.pid_path)
         self._selector.close()
         self._signal_r.close()
@@ -222,19 +298,27 @@ class Daemon:
         try:
             while not self._is_stopping:
                 for key, mask in self._selector.select(timeout=1.0):
-                    kind, connection = key.data
-                    if kind == "conn":
-                        self._on_connection(connection, mask)
-                    elif kind == "pidfd":
-                        self._close(connection, "peer process exited")
-                    elif kind == "listen":
-                        self._accept()
-                    else:
-                        self._signal_r.recv(4096)
+                    self._dispatch(*key.data, mask)
+                self._commit_and_reply()
         finally:
             log.info("stopped: %s", "kept segment for restart" if self.keep_on_stop
                      else "segment and socket removed")
             self._cleanup()
+
+    def _dispatch(self, kind: str, connection: Connection | None, mask: int) -> None:
+        try:
+            if kind == "conn":
+                self._on_connection(connection, mask)
+            elif kind == "pidfd":
+                self._close(connection, "peer process exited")
+            elif kind == "listen":
+                self._accept()
+            else:
+                self._signal_r.recv(4096)
+        except Exception:  # a kvd bug: drop the one connection involved, keep serving
+            log.exception("internal error on a %s event", kind)
+            if connection is not None:
+                self._close(connection, "internal error")
 
     def _accept(self) -> None:
         for _ in range(64):  # drain a burst without starving established clients
@@ -295,14 +379,15 @@ class Daemon:
             self._close(connection, f"framing error: {exc}")
             return
         for body in bodies:
-            connection.output += self._reply(connection.session, body)
-        self._flush(connection)
+            connection.pending.append(self._reply(connection.session, body))
+        self._replied.add(connection)
 
-    def _reply(self, session: Session, body: bytes) -> bytes:
-        """Handle one frame body; always returns a reply frame."""
+    def _reply(self, session: Session, body: bytes) -> tuple[int | None, bytes, bool]:
+        """Handle one frame body: (request id, reply frame, whether it awaits the journal)."""
         request_id = None
         started = time.perf_counter()
         op = None
+        num_pending = self.journal.num_pending if self.journal is not None else 0
         try:
             request_id, op, args = parse_request(unpack_body(body))
             if op == "shutdown" and session.is_ready:
@@ -321,7 +406,49 @@ class Daemon:
             reply = encode_error(request_id, InternalError(f"{type(exc).__name__}: {exc}"))
         if op in self.service.op_names:  # unknown op names would be unbounded metric labels
             self.ops.observe(op, time.perf_counter() - started)
-        return reply
+        is_journaled = self.journal is not None and self.journal.num_pending != num_pending
+        return request_id, reply, is_journaled
+
+    def _commit_and_reply(self) -> None:
+        """Group commit: one journal transaction for the iteration, then every reply goes out.
+
+        Replies wait for the commit so that no client hears "sealed" before the seal is durable,
+        and no client gets an evicted block's id before the eviction is (see kvd/journal.py).
+        """
+        failure = None
+        if self.journal is not None:
+            failure = self._commit_journal()
+        for connection in self._replied:
+            for request_id, reply, is_journaled in connection.pending:
+                if failure is not None and is_journaled:
+                    self.ops.error(failure.code)
+                    reply = encode_error(request_id, failure)
+                connection.output += reply
+            connection.pending.clear()
+            if connection.sock.fileno() in self._connections:
+                self._flush(connection)
+        self._replied.clear()
+
+    def _commit_journal(self) -> JournalError | None:
+        """Commit (or, after a failure, try a full rewrite); returns the error if it failed."""
+        journal = self.journal
+        try:
+            if self.service.write_error is not None:
+                if time.monotonic() < self._next_journal_retry:
+                    return None  # writes are refused meanwhile, nothing can be pending
+                journal.rewrite(*self.service.pool.indexed_blocks())
+                log.warning("journal writable again (%s): accepting writes", journal.path)
+                self.service.write_error = None
+            elif journal.is_dirty:
+                journal.commit()
+        except JournalError as exc:
+            if self.service.write_error is None:
+                log.error("%s; refusing allocations and seals until it recovers", exc)
+            self.service.counters["journal_failures"] += 1
+            self.service.write_error = str(exc)
+            self._next_journal_retry = time.monotonic() + 1.0
+            return exc
+        return None
 
     def _shutdown(self, args: dict[str, Any]) -> None:
         check_no_extra(args, ("keep",))
@@ -363,6 +490,19 @@ class Daemon:
         self.service.close_session(session)
         log.info("session %d (pid %d) closed: %s; released %d blocks",
                  session.session_id, session.pid, reason, held)
+
+
+def _stamp(segment: Segment) -> dict[str, Any]:
+    """What a journal must agree with to be restored into `segment`."""
+    return {"layout_version": LAYOUT_VERSION, "hash_version": HASH_VERSION,
+            "geometry": segment.geometry.to_dict(), "segment_uuid": segment.uuid.hex(),
+            "boot_id": segment.boot_id.hex()}
+
+
+def _bump_free_generations(pool: BlockPool, generations: Any) -> None:
+    """After recovery every block that was not restored is FREE: make stale ids detectable."""
+    is_free = np.frombuffer(pool.states(), dtype=np.uint8) == 0
+    generations[is_free] += 1
 
 
 def _block_copier(blocks: Any) -> Any:

@@ -23,6 +23,11 @@ sessions anyway, and old sessions' pins are dropped on recovery — every restor
 
 Failpoints: `KVD_FAILPOINT=<name>` makes the daemon SIGKILL itself at that point, so tests can
 crash it exactly there: before-commit, after-commit-before-reply, mid-eviction, during-recovery.
+`KVD_JOURNAL_FAIL_FILE=<path>` makes every journal write fail while that file exists.
+
+A failed commit puts the daemon in fail-closed mode: it refuses allocations and seals with a
+JOURNAL error (lookups, reads and releases go on), and about once a second tries to rewrite the
+whole index; the first rewrite that succeeds ends the mode.
 """
 
 from __future__ import annotations
@@ -47,6 +52,13 @@ CREATE TABLE IF NOT EXISTS blocks (
     seal_seq INTEGER NOT NULL
 );
 """
+
+
+def _inject_failure() -> None:
+    """Tests make journal writes fail while the file KVD_JOURNAL_FAIL_FILE names exists."""
+    path = os.environ.get("KVD_JOURNAL_FAIL_FILE")
+    if path and os.path.exists(path):
+        raise sqlite3.OperationalError("disk I/O error (injected by KVD_JOURNAL_FAIL_FILE)")
 
 
 def failpoint(name: str) -> None:
@@ -89,6 +101,11 @@ class Journal:
     def is_dirty(self) -> bool:
         return bool(self._seals or self._evictions)
 
+    @property
+    def num_pending(self) -> int:
+        """Changes buffered since the last commit (grows whenever a handler touched the index)."""
+        return len(self._seals) + len(self._evictions)
+
     def commit(self) -> None:
         """Write every buffered change in one transaction. Raises JournalError on failure."""
         if not self.is_dirty:
@@ -96,11 +113,27 @@ class Journal:
         evictions, seals = self._evictions, self._seals
         self._evictions, self._seals = [], []
         failpoint("before-commit")
-        try:
-            self._db.execute("BEGIN")
+        self._transaction(lambda: (
             # Evictions first: a block evicted and re-sealed in one iteration keeps its new row.
-            self._db.executemany("DELETE FROM blocks WHERE block_id = ?", evictions)
-            self._db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?)", seals)
+            self._db.executemany("DELETE FROM blocks WHERE block_id = ?", evictions),
+            self._db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?)", seals)))
+        failpoint("after-commit-before-reply")
+
+    def rewrite(self, block_ids: list[int], keys: list[bytes]) -> None:
+        """Replace every row with the given index (after a failed commit lost some changes)."""
+        self._seals.clear()
+        self._evictions.clear()
+        rows = [(block_id, key, seq) for seq, (block_id, key) in enumerate(zip(block_ids, keys))]
+        self._transaction(lambda: (self._db.execute("DELETE FROM blocks"),
+                                   self._db.executemany("INSERT INTO blocks VALUES (?, ?, ?)",
+                                                        rows)))
+        self._seal_seq = len(rows)
+
+    def _transaction(self, body: Any) -> None:
+        try:
+            _inject_failure()
+            self._db.execute("BEGIN")
+            body()
             self._db.execute("COMMIT")
         except sqlite3.Error as exc:
             self._rollback()
@@ -145,3 +178,7 @@ class Journal:
                 os.unlink(f"{self.path}{suffix}")
             except FileNotFoundError:
                 pass
+        try:
+            self.state_dir.rmdir()
+        except OSError:
+            pass  # not empty: it holds files that are not ours

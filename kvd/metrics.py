@@ -60,6 +60,9 @@ class KvdCollector:
         yield GaugeMetricFamily("kvd_pool_blocks", "Blocks in the pool", value=stats["num_blocks"])
         yield GaugeMetricFamily("kvd_sessions", "Connected sessions", value=stats["sessions"])
         yield GaugeMetricFamily("kvd_sequences", "Open sequences", value=stats["sequences"])
+        yield GaugeMetricFamily("kvd_journal_writable", "1 unless journal writes are failing "
+                                "(allocations and seals then fail closed)",
+                                value=0 if stats["journal"] == "failed" else 1)
         for name, key, text in (
             ("kvd_allocations", "allocations", "Blocks allocated"),
             ("kvd_evictions", "evictions", "Cached blocks evicted"),
@@ -71,6 +74,7 @@ class KvdCollector:
             ("kvd_prefix_hit_tokens", "cached_tokens", "Prompt tokens served from the cache"),
             ("kvd_sessions_opened", "sessions_opened", "Sessions opened"),
             ("kvd_sessions_closed", "sessions_closed", "Sessions closed (any reason)"),
+            ("kvd_journal_failures", "journal_failures", "Failed journal commits or rewrites"),
         ):
             yield CounterMetricFamily(name, text, value=stats[key])
         yield from self._collect_ops()

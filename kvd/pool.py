@@ -150,6 +150,14 @@ class BlockPool:
     def owners(self) -> list[int]:
         return list(self._held)
 
+    def states(self) -> bytes:
+        """One byte per block: FREE, OWNED, SEALED or CACHED (a copy)."""
+        return bytes(self._state)
+
+    def indexed_blocks(self) -> tuple[list[int], list[Hashable]]:
+        """(block ids, keys) of the hash index, oldest entry first."""
+        return list(self._index.values()), list(self._index)
+
     # ---- allocation ------------------------------------------------------------------------
     def allocate(self, num_blocks: int, owner: int) -> list[int] | None:
         """Hand out `num_blocks` writable blocks to `owner`, evicting cached blocks if needed.

@@ -27,6 +27,7 @@ SHARED_TRACES = ROOT.parent / "shared" / "traces"
 # A private runtime dir for the whole run (short: socket paths are limited to 107 bytes).
 _RUNTIME_DIR = tempfile.mkdtemp(prefix="kvdt-", dir="/tmp")
 os.environ["XDG_RUNTIME_DIR"] = _RUNTIME_DIR
+os.environ["XDG_STATE_HOME"] = os.path.join(_RUNTIME_DIR, "state")  # journals
 
 import kvd  # noqa: E402  (after XDG_RUNTIME_DIR: the runtime dir is read at call time anyway)
 from kvd.runtime import DaemonPaths  # noqa: E402

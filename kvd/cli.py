@@ -145,7 +145,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
     paths = DaemonPaths.for_name(args.name, args.socket)
     try:
-        with connect(_socket_of(args)) as client:
+        with connect(_socket_of(args), reconnect_timeout_s=0) as client:
             client.shutdown(keep=args.keep)
     except DisconnectedError:
         print(f"kvd: no daemon named {args.name!r} is running", file=sys.stderr)
@@ -165,7 +165,7 @@ def _daemon_stats(args: argparse.Namespace) -> dict[str, Any] | None:
     from kvd.client import connect
 
     try:
-        with connect(_socket_of(args), timeout_s=10) as client:
+        with connect(_socket_of(args), timeout_s=10, reconnect_timeout_s=0) as client:
             return client.stats()
     except DisconnectedError:
         return None

@@ -12,6 +12,13 @@ keeps a call's cost at one round trip and needs no threads. A `Client` belongs t
 made it: in a forked child every call raises InUseError, because the child would otherwise share
 the parent's session (and its pins) silently. Call `kvd.connect()` again in the child.
 
+If the daemon goes away mid-session (a crash followed by `kvd start --recover`, or an upgrade
+with `kvd stop --keep`), the next call reconnects with bounded exponential backoff. Ops that hold
+nothing from the lost session are retried (RETRIED_OPS), ops that only drop pins succeed
+(SATISFIED_BY_RESTART), and the rest raise DisconnectedError once reconnected, because the
+blocks or sequences they name died with the old session. A recovered daemon serves the same
+segment, so every view stays valid.
+
 Views are built with `np.frombuffer` over the mapping, so `close()` raises InUseError while any
 view is alive rather than leaving readers on unmapped memory; drop views before closing.
 """
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import weakref
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
@@ -27,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.errors import BadArgsError, DisconnectedError, InUseError
+from kvd.errors import BadArgsError, DeniedError, DisconnectedError, InUseError
 from kvd.geometry import Geometry
 from kvd.hashing import token_bytes
 from kvd.protocol import (
@@ -37,6 +45,15 @@ from kvd.runtime import resolve_socket
 from kvd.segment import Segment
 
 _RECV_NBYTES = 256 * 1024
+
+# After the daemon restarts (crash + `kvd start --recover`, or stop --keep + start), the client
+# reconnects. These ops hold nothing from the lost session, so they are simply sent again: a
+# lookup or alloc whose reply was lost had its pins dropped with the old session.
+RETRIED_OPS = frozenset({"stats", "lookup", "alloc", "seq_open"})
+# These only drop pins, which the restart dropped already: they succeed.
+SATISFIED_BY_RESTART = frozenset({"release", "seq_close"})
+# Everything else names blocks or sequences of the lost session (seal, pin, seq_extend,
+# seq_commit, seq_fork, shutdown) and raises DisconnectedError after reconnecting.
 _live_clients: weakref.WeakSet[Client] = weakref.WeakSet()
 
 
@@ -62,47 +79,86 @@ class Sequence:
     num_cached_tokens: int = 0
     num_sealed_blocks: int = 0
     is_closed: bool = field(default=False, repr=False)
+    epoch: int = field(default=0, repr=False)  # the client's num_reconnects when opened
 
 
 class Client:
     """One session with a daemon. Use as a context manager or call `close()`."""
 
-    def __init__(self, socket_path: str, timeout_s: float | None = None) -> None:
+    def __init__(self, socket_path: str, timeout_s: float | None = None,
+                 reconnect_timeout_s: float = 10.0) -> None:
+        """Args:
+            timeout_s: how long one reply may take (None: wait forever).
+            reconnect_timeout_s: how long to keep retrying (with backoff) when the daemon goes
+                away mid-session, e.g. while it restarts with --recover; 0 never reconnects.
+        """
         self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.num_reconnects = 0
         self._sock: socket.socket | None = None
         self._segment: Segment | None = None
+        self._stale_segments: list[Segment] = []
         self._pool: np.ndarray | None = None
-        self._decoder = FrameDecoder()
         self._next_id = 1
         self._pid = os.getpid()
         self._is_forked = False
         try:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._sock.settimeout(timeout_s)
-            try:
-                self._sock.connect(socket_path)
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
-                raise DisconnectedError(f"no kvd daemon at {socket_path} ({exc.strerror}): "
-                                        "start one with `kvd start`") from None
-            self.info = self._call("hello", {"version": PROTOCOL_VERSION, "pid": os.getpid()})
-            self.geometry = Geometry.from_dict(self.info["geometry"])
-            self.session_id: int = self.info["session_id"]
-            self._segment = Segment.attach(self.info["segment"])
-            if self._segment.uuid != self.info["segment_uuid"]:
-                raise DisconnectedError(f"segment {self.info['segment']} is not the one the "
-                                        "daemon serves (it was replaced): reconnect")
+            self._open_session()
         except BaseException:
             self._teardown()
             raise
         _live_clients.add(self)
 
+    def _open_session(self) -> None:
+        """Connect, say hello, map the segment the daemon serves (keeping a mapping of it)."""
+        self._decoder = FrameDecoder()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(self.timeout_s)
+        try:
+            self._sock.connect(self.socket_path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise DisconnectedError(f"no kvd daemon at {self.socket_path} ({exc.strerror}): "
+                                    "start one with `kvd start`") from None
+        self.info = self._request("hello", {"version": PROTOCOL_VERSION, "pid": os.getpid()})
+        self.geometry = Geometry.from_dict(self.info["geometry"])
+        self.session_id: int = self.info["session_id"]
+        if self._segment is not None and self._segment.uuid == self.info["segment_uuid"]:
+            return  # a recovered daemon serves the same segment: every view stays valid
+        if self._segment is not None:
+            # A new segment: old views point at the old (unlinked) memory; keep it mapped so
+            # they never touch unmapped pages, and hand out views of the new one from now on.
+            self._stale_segments.append(self._segment)
+            self._segment, self._pool = None, None
+        self._segment = Segment.attach(self.info["segment"])
+        if self._segment.uuid != self.info["segment_uuid"]:
+            raise DisconnectedError(f"segment {self.info['segment']} is not the one the "
+                                    "daemon serves (it was replaced): reconnect")
+
     # ---- plumbing --------------------------------------------------------------------------
     def _call(self, op: str, args: dict[str, Any]) -> Any:
+        """One request; if the daemon went away, reconnect and retry or raise (see RETRIED_OPS)."""
         if self._is_forked or os.getpid() != self._pid:
             raise InUseError(f"this kvd connection belongs to process {self._pid}: call "
                              "kvd.connect() in the child process instead of sharing it")
         if self._sock is None:
             raise DisconnectedError("the client is closed: call kvd.connect() again")
+        try:
+            return self._request(op, args)
+        except DisconnectedError as lost:
+            if self.reconnect_timeout_s <= 0:
+                raise
+            self._reconnect(lost)
+        if op in RETRIED_OPS:
+            return self._request(op, args)
+        if op in SATISFIED_BY_RESTART:
+            return None
+        raise DisconnectedError(
+            f"the kvd daemon restarted during {op!r}: this session's pins, unsealed blocks and "
+            "sequences are gone (sealed blocks survive a --recover restart: look them up "
+            "again); the client is reconnected")
+
+    def _request(self, op: str, args: dict[str, Any]) -> Any:
         request_id = self._next_id
         self._next_id += 1
         try:
@@ -115,6 +171,25 @@ class Client:
             raise DisconnectedError(f"reply {reply_id} does not answer request {request_id}: "
                                     "the session is out of step, reconnect")
         return result
+
+    def _reconnect(self, lost: DisconnectedError) -> None:
+        """Retry the connection with exponential backoff for up to reconnect_timeout_s."""
+        self._sock.close()
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        delay_s = 0.02
+        while True:
+            try:
+                self._open_session()
+                self.num_reconnects += 1
+                return
+            except DisconnectedError:
+                if self._sock is not None:
+                    self._sock.close()
+                if time.monotonic() + delay_s > deadline:
+                    raise DisconnectedError(f"{lost}; no daemon came back within "
+                                            f"{self.reconnect_timeout_s} s") from None
+                time.sleep(delay_s)
+                delay_s = min(delay_s * 2, 0.5)
 
     def _read_body(self) -> bytes:
         while True:
@@ -131,8 +206,11 @@ class Client:
             self._sock.close()
             self._sock = None
         self._pool = None
+        segments, self._stale_segments = self._stale_segments, []
         if self._segment is not None:
-            segment, self._segment = self._segment, None
+            segments.append(self._segment)
+            self._segment = None
+        for segment in segments:
             segment.close()
 
     def close(self) -> None:
@@ -167,6 +245,9 @@ class Client:
         """One block `(num_layers, 2, block_size, H, D)`, a view into shared memory (no copy)."""
         if type(block_id) is not int and not isinstance(block_id, np.integer):
             raise BadArgsError(f"block_id must be an int, got {block_id!r}")
+        if not 0 <= block_id < self.geometry.num_blocks:  # -1 would silently be the last block
+            raise BadArgsError(f"block_id must be in [0, {self.geometry.num_blocks}), "
+                               f"got {block_id}")
         return self.pool[block_id]
 
     def generation(self, block_id: int) -> int:
@@ -213,12 +294,20 @@ class Client:
             args["max_cached_tokens"] = max_cached_tokens
         reply = self._call("seq_open", args)
         return Sequence(reply["seq_id"], reply["block_ids"], reply["num_tokens"],
-                        reply["num_cached_tokens"], reply["num_sealed_blocks"])
+                        reply["num_cached_tokens"], reply["num_sealed_blocks"],
+                        epoch=self.num_reconnects)
+
+    def _check_live(self, seq: Sequence) -> None:
+        if seq.epoch != self.num_reconnects:
+            raise DisconnectedError(f"sequence {seq.seq_id} was opened before the daemon "
+                                    "restarted and is gone: open it again (its sealed prefix "
+                                    "is found in the cache)")
 
     def extend_sequence(self, seq: Sequence, token_ids: Any,
                         num_computed: int | None = None) -> list[int]:
         """Append tokens, allocating blocks; first seal full blocks below `num_computed`
         (default: the tokens before this call). Returns the new block ids."""
+        self._check_live(seq)
         data = token_bytes(token_ids)
         num_computed = seq.num_tokens if num_computed is None else num_computed
         new_ids = self._call("seq_extend", {"seq_id": seq.seq_id, "tokens": data,
@@ -231,6 +320,7 @@ class Client:
 
     def commit_sequence(self, seq: Sequence, num_computed: int | None = None) -> int:
         """Seal the full blocks below `num_computed` tokens (default all); returns how many."""
+        self._check_live(seq)
         num_computed = seq.num_tokens if num_computed is None else num_computed
         num_sealed = self._call("seq_commit", {"seq_id": seq.seq_id,
                                                "num_computed": num_computed})
@@ -239,13 +329,16 @@ class Client:
 
     def fork_sequence(self, seq: Sequence) -> Sequence:
         """A new sequence sharing `seq`'s sealed blocks; its unsealed blocks are copies."""
+        self._check_live(seq)
         reply = self._call("seq_fork", {"seq_id": seq.seq_id})
         return Sequence(reply["seq_id"], reply["block_ids"], reply["num_tokens"],
-                        seq.num_cached_tokens, reply["num_sealed_blocks"])
+                        seq.num_cached_tokens, reply["num_sealed_blocks"],
+                        epoch=self.num_reconnects)
 
     def close_sequence(self, seq: Sequence) -> None:
         """Release the sequence's blocks (sealed ones stay cached for others)."""
-        self._call("seq_close", {"seq_id": seq.seq_id})
+        if seq.epoch == self.num_reconnects:  # else the restart released them already
+            self._call("seq_close", {"seq_id": seq.seq_id})
         seq.is_closed = True
 
 
@@ -254,6 +347,7 @@ def _ids(block_ids: SequenceOf[int]) -> list[int]:
     return [int(block_id) for block_id in block_ids]
 
 
-def connect(name_or_socket_path: str | None = None, timeout_s: float | None = None) -> Client:
+def connect(name_or_socket_path: str | None = None, timeout_s: float | None = None,
+            reconnect_timeout_s: float = 10.0) -> Client:
     """Connect to a daemon by name (default `$KVD_NAME` or "default") or socket path."""
-    return Client(resolve_socket(name_or_socket_path), timeout_s)
+    return Client(resolve_socket(name_or_socket_path), timeout_s, reconnect_timeout_s)

@@ -120,6 +120,10 @@ class Client:
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise DisconnectedError(f"no kvd daemon at {self.socket_path} ({exc.strerror}): "
                                     "start one with `kvd start`") from None
+        except PermissionError:  # the socket or its directory belongs to another user
+            raise DeniedError(f"no permission to connect to {self.socket_path}: a daemon serves "
+                              "its own user only; run as that user or start your own "
+                              "daemon") from None
         self.info = self._request("hello", {"version": PROTOCOL_VERSION, "pid": os.getpid()})
         self.geometry = Geometry.from_dict(self.info["geometry"])
         self.session_id: int = self.info["session_id"]

@@ -222,14 +222,11 @@ def format_stats(stats: dict[str, Any]) -> str:
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 
 
-def _add_lazy(subparsers: Any, name: str, help_text: str, module: str) -> None:
-    """A subcommand whose module (`add_arguments`, `run`) is imported only when used."""
-    import importlib
-
+def _add_module_command(subparsers: Any, name: str, help_text: str, module: Any) -> None:
+    """A subcommand whose module provides `add_arguments(parser)` and `run(args) -> int`."""
     parser = subparsers.add_parser(name, help=help_text)
-    target = importlib.import_module(module)
-    target.add_arguments(parser)
-    parser.set_defaults(func=target.run)
+    module.add_arguments(parser)
+    parser.set_defaults(func=module.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -249,14 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--timeout", type=float, default=30.0, help="seconds to wait")
         if name == "stats":
             sub.add_argument("--json", action="store_true")
-    for name, help_text, module in (("demo", "daemon + workers doing paged attention",
-                                     "kvd.demo"),
-                                    ("replay", "replay a block-hash trace against the policies",
-                                     "kvd.replay")):
-        try:
-            _add_lazy(subparsers, name, help_text, module)
-        except ImportError:
-            pass  # not built yet in this checkout
+    from kvd import demo, replay
+
+    _add_module_command(subparsers, "demo", "a daemon + worker processes doing paged attention",
+                        demo)
+    _add_module_command(subparsers, "replay", "replay a block-hash trace against the policies",
+                        replay)
     return parser
 
 

@@ -82,36 +82,42 @@ class Journal:
         except sqlite3.Error as exc:
             raise JournalError(f"cannot open the journal {self.path}: {exc}") from None
         os.chmod(self.path, 0o600)
-        self._seals: list[tuple[int, bytes, int]] = []
+        # Pending seals by block id: an eviction of a block sealed since the last commit drops
+        # its seal here (the DELETEs run first, so a buffered INSERT would outlive the eviction).
+        self._seals: dict[int, tuple[int, bytes, int]] = {}
         self._evictions: list[tuple[int]] = []
+        self._num_pending = 0
         row = self._db.execute("SELECT COALESCE(MAX(seal_seq), 0) FROM blocks").fetchone()
         self._seal_seq = row[0]
 
     # ---- the pool observer interface (called from BlockPool) ------------------------------
     def sealed(self, block_id: int, key: Any) -> None:
         self._seal_seq += 1
-        self._seals.append((block_id, key, self._seal_seq))
+        self._seals[block_id] = (block_id, key, self._seal_seq)
+        self._num_pending += 1
 
     def evicted(self, block_id: int) -> None:
         failpoint("mid-eviction")
+        self._seals.pop(block_id, None)
         self._evictions.append((block_id,))
+        self._num_pending += 1
 
     # ---- committing ------------------------------------------------------------------------
     @property
     def is_dirty(self) -> bool:
-        return bool(self._seals or self._evictions)
+        return self._num_pending > 0
 
     @property
     def num_pending(self) -> int:
         """Changes buffered since the last commit (grows whenever a handler touched the index)."""
-        return len(self._seals) + len(self._evictions)
+        return self._num_pending
 
     def commit(self) -> None:
         """Write every buffered change in one transaction. Raises JournalError on failure."""
         if not self.is_dirty:
             return
-        evictions, seals = self._evictions, self._seals
-        self._evictions, self._seals = [], []
+        evictions, seals = self._evictions, list(self._seals.values())
+        self._clear_pending()
         failpoint("before-commit")
         self._transaction(lambda: (
             # Evictions first: a block evicted and re-sealed in one iteration keeps its new row.
@@ -121,13 +127,15 @@ class Journal:
 
     def rewrite(self, block_ids: list[int], keys: list[bytes]) -> None:
         """Replace every row with the given index (after a failed commit lost some changes)."""
-        self._seals.clear()
-        self._evictions.clear()
+        self._clear_pending()
         rows = [(block_id, key, seq) for seq, (block_id, key) in enumerate(zip(block_ids, keys))]
         self._transaction(lambda: (self._db.execute("DELETE FROM blocks"),
                                    self._db.executemany("INSERT INTO blocks VALUES (?, ?, ?)",
                                                         rows)))
         self._seal_seq = len(rows)
+
+    def _clear_pending(self) -> None:
+        self._seals, self._evictions, self._num_pending = {}, [], 0
 
     def _transaction(self, body: Any) -> None:
         try:
@@ -152,8 +160,7 @@ class Journal:
 
     def reset(self, stamp: dict[str, Any]) -> None:
         """Forget every block and record a new stamp (a clean start)."""
-        self._seals.clear()
-        self._evictions.clear()
+        self._clear_pending()
         self._db.execute("BEGIN")
         self._db.execute("DELETE FROM blocks")
         self._db.execute("DELETE FROM stamp")

@@ -1,13 +1,14 @@
 """One worker process of the transformers acceptance test: a tiny random Llama on kvd.
 
-    python hf_run.py --daemon NAME --dtype float16 --role first  --out a.npz   # process A
-    python hf_run.py --daemon NAME --dtype float16 --role second --out b.npz   # process B
+    python hf_run.py --role first  --out a.npz float32=DAEMON float16=DAEMON ...   # process A
+    python hf_run.py --role second --out b.npz float32=DAEMON float16=DAEMON ...   # process B
 
-A generates for P1. B generates for P2 (shares P1's first 3 blocks), then for P1 itself (the cap
-rule: 3 of its 4 prompt blocks are cached, the last prompt token must still be computed), then
-runs the negative control. Each run is saved as `<run>_tokens`, `<run>_logits` (float32) and
-`<run>_meta` (JSON). The test imports `tiny_llama`, `prompts` and `GENERATE` from here to build
-its in-process DynamicCache reference from the same seed.
+For each pool dtype (one daemon each; one process serves them all, since importing torch and
+transformers costs seconds): A generates for P1. B generates for P2 (shares P1's first 3
+blocks), then for P1 itself (the cap rule: 3 of its 4 prompt blocks are cached, the last prompt
+token must still be computed), then runs the negative control. Each run is saved as
+`<dtype>_<run>_tokens`, `..._logits` (float32) and `..._meta` (JSON). The test imports
+`tiny_llama`, `prompts` and `GENERATE` from here for its in-process DynamicCache reference.
 """
 
 from __future__ import annotations
@@ -98,27 +99,29 @@ def run_shifted(model, client, prompt: list[int]) -> dict[str, np.ndarray]:
     return _result(output, {"pinned": pinned})
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--daemon", required=True)
-    parser.add_argument("--dtype", required=True, choices=sorted(TORCH_DTYPES))
-    parser.add_argument("--role", required=True, choices=["first", "second"])
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    model = tiny_llama(args.dtype)
+def serve(role: str, dtype: str, daemon: str) -> dict[str, dict[str, np.ndarray]]:
+    model = tiny_llama(dtype)
     counter = EmbeddedTokens(model)
     p1, p2 = prompts()
-    runs: dict[str, dict[str, np.ndarray]] = {}
-    with kvd.connect(args.daemon) as client:
-        if args.role == "first":
-            runs["p1"] = run(model, client, counter, p1)
-        else:
-            runs["p2"] = run(model, client, counter, p2)
-            runs["p1"] = run(model, client, counter, p1)
-            runs["shifted"] = run_shifted(model, client, p1)
-    np.savez(args.out, **{f"{run_name}_{key}": value for run_name, arrays in runs.items()
-                          for key, value in arrays.items()})
+    with kvd.connect(daemon) as client:
+        if role == "first":
+            return {"p1": run(model, client, counter, p1)}
+        return {"p2": run(model, client, counter, p2), "p1": run(model, client, counter, p1),
+                "shifted": run_shifted(model, client, p1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", required=True, choices=["first", "second"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("daemons", nargs="+", metavar="DTYPE=DAEMON")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    arrays = {}
+    for dtype, daemon in (item.split("=", 1) for item in args.daemons):
+        for run_name, fields in serve(args.role, dtype, daemon).items():
+            arrays.update({f"{dtype}_{run_name}_{key}": value for key, value in fields.items()})
+    np.savez(args.out, **arrays)
 
 
 if __name__ == "__main__":

@@ -46,19 +46,21 @@ def _pool_options(dtype: str) -> dict[str, object]:
             "block_size": BLOCK_SIZE, "dtype": dtype}
 
 
-def _run_process(daemon_name: str, dtype: str, role: str, out: Path) -> dict:
+def _run_process(role: str, daemons: dict[str, str], out: Path) -> dict:
+    """Run hf_run.py as a real process; returns {dtype: {run: {field: value}}}."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    subprocess.run([sys.executable, str(HERE / "hf_run.py"), "--daemon", daemon_name,
-                    "--dtype", dtype, "--role", role, "--out", str(out)],
+    subprocess.run([sys.executable, str(HERE / "hf_run.py"), "--role", role, "--out", str(out),
+                    *(f"{dtype}={name}" for dtype, name in daemons.items())],
                    env=env, check=True, timeout=300)
+    results: dict[str, dict] = {}
     with np.load(out) as arrays:
-        runs: dict[str, dict] = {}
         for key in arrays.files:
-            run, field = key.split("_", 1)
+            dtype, run, field = key.split("_", 2)
             value = arrays[key]
-            runs.setdefault(run, {})[field] = json.loads(str(value)) if field == "meta" else value
-    return runs
+            value = json.loads(str(value)) if field == "meta" else value
+            results.setdefault(dtype, {}).setdefault(run, {})[field] = value
+    return results
 
 
 def _reference(model, prompt: list[int]) -> dict[str, np.ndarray]:
@@ -68,45 +70,55 @@ def _reference(model, prompt: list[int]) -> dict[str, np.ndarray]:
             "logits": torch.cat(output.logits).float().numpy()}
 
 
-def _assert_matches(run: dict, reference: dict) -> None:
-    np.testing.assert_array_equal(run["tokens"], reference["tokens"])
-    np.testing.assert_allclose(run["logits"], reference["logits"], rtol=0, atol=LOGITS_ATOL)
+def _assert_matches(dtype: str, run: dict, reference: dict) -> None:
+    np.testing.assert_array_equal(run["tokens"], reference["tokens"], err_msg=dtype)
+    np.testing.assert_allclose(run["logits"], reference["logits"], rtol=0, atol=LOGITS_ATOL,
+                               err_msg=dtype)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_processes_share_prefix_blocks_and_match_dynamic_cache(daemon_factory, tmp_path, dtype):
-    daemon = daemon_factory(**_pool_options(dtype))
+def test_processes_share_prefix_blocks_and_match_dynamic_cache(daemon_factory, tmp_path):
+    """float32, float16 and bfloat16 pools, one daemon each; A and B serve all three."""
+    dtypes = ("float32", "float16", "bfloat16")
+    daemons = {dtype: daemon_factory(**_pool_options(dtype)) for dtype in dtypes}
+    names = {dtype: daemon.name for dtype, daemon in daemons.items()}
+    a = _run_process("first", names, tmp_path / "a.npz")
+    b = _run_process("second", names, tmp_path / "b.npz")
+    for dtype in dtypes:
+        _check_runs(dtype, a[dtype], b[dtype])
+        _check_pool_after(dtype, daemons[dtype])
+
+
+def _check_runs(dtype: str, a: dict, b: dict) -> None:
     p1, p2 = prompts()
     model = tiny_llama(dtype)
     reference = {"p1": _reference(model, p1), "p2": _reference(model, p2)}
-
-    a = _run_process(daemon.name, dtype, "first", tmp_path / "a.npz")
-    _assert_matches(a["p1"], reference["p1"])
-    assert a["p1"]["meta"]["num_cached_tokens"] == 0
-    assert a["p1"]["meta"]["prefill_tokens"] == 64
-
-    b = _run_process(daemon.name, dtype, "second", tmp_path / "b.npz")
+    _assert_matches(dtype, a["p1"], reference["p1"])
+    assert a["p1"]["meta"]["num_cached_tokens"] == 0, dtype
+    assert a["p1"]["meta"]["prefill_tokens"] == 64, dtype
     a_blocks = a["p1"]["meta"]["block_ids"]
     for run in ("p2", "p1"):  # P2 shares 3 blocks; P1 is capped at floor(63 / 16) = 3 blocks
         meta = b[run]["meta"]
-        _assert_matches(b[run], reference[run])
-        assert meta["num_cached_tokens"] == 3 * BLOCK_SIZE
-        assert meta["block_ids"][:3] == a_blocks[:3], "B must read A's very blocks"
-        assert meta["prefill_tokens"] == 16, "B must compute only the 16 uncached prompt tokens"
-        assert meta["num_computed_tokens"] == 16 + GENERATE["max_new_tokens"] - 1
-
+        _assert_matches(dtype, b[run], reference[run])
+        assert meta["num_cached_tokens"] == 3 * BLOCK_SIZE, (dtype, run)
+        assert meta["block_ids"][:3] == a_blocks[:3], f"{dtype} {run}: B must read A's blocks"
+        assert meta["prefill_tokens"] == 16, (
+            f"{dtype} {run}: B must compute only the 16 uncached prompt tokens")
+        assert meta["num_computed_tokens"] == 16 + GENERATE["max_new_tokens"] - 1, (dtype, run)
     # Negative control: the prefix mapped one block late must visibly change the logits.
     shifted_error = np.abs(b["shifted"]["logits"][0] - reference["p1"]["logits"][0]).max()
-    assert shifted_error > 100 * LOGITS_ATOL, f"corrupt KV went unnoticed ({shifted_error})"
+    assert shifted_error > 100 * LOGITS_ATOL, f"{dtype}: corrupt KV went unnoticed"
 
+
+def _check_pool_after(dtype: str, daemon) -> None:
     with daemon.connect() as client:
         stats = client.stats()
     assert stats["free"] + stats["owned"] + stats["sealed"] + stats["cached"] == NUM_BLOCKS
-    assert stats["owned"] == stats["sealed"] == stats["sequences"] == 0, "no pins may remain"
+    assert stats["owned"] == stats["sealed"] == stats["sequences"] == 0, (
+        f"{dtype}: pins remain: {stats}")
     # 95 computed tokens = 5 sealed blocks per 96-token sequence. A: P1's 5 blocks. B's P2 run:
     # 2 new ones (its first 3 are A's). B's P1 run and the control recompute blocks A already
     # sealed: duplicates are freed, not cached.
-    assert stats["cached"] == stats["indexed"] == 7
+    assert stats["cached"] == stats["indexed"] == 7, f"{dtype}: {stats}"
 
 
 @pytest.fixture

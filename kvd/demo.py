@@ -107,15 +107,15 @@ def _wait_ready(proc: subprocess.Popen, name: str) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
         if proc.poll() is not None:
-            raise InternalError(f"the demo daemon exited with status {proc.returncode} before "
-                                "it was ready; its log follows")
+            raise DisconnectedError(f"the demo daemon exited with status {proc.returncode} "
+                                    "before it was ready; its log follows")
         try:
             kvd.connect(name).close()
             return
-        except (DisconnectedError, FileNotFoundError, ConnectionRefusedError):
+        except DisconnectedError:
             if time.monotonic() > deadline:
-                raise InternalError(f"the demo daemon was not ready after {READY_TIMEOUT_S:.0f} s; "
-                                    "its log follows") from None
+                raise DisconnectedError(f"the demo daemon was not ready after "
+                                        f"{READY_TIMEOUT_S:.0f} s; its log follows") from None
             time.sleep(0.05)
 
 
@@ -152,7 +152,8 @@ def run_workers(args: argparse.Namespace, name: str) -> list[dict]:
             _stop(proc)
     failed = [i for i, proc in enumerate(procs) if proc.returncode != 0]
     if failed:
-        raise InternalError(f"demo workers {failed} failed; their errors are above")
+        raise KvdError(f"demo workers {failed} failed (their errors are above); for a "
+                       "NoSpaceError give the pool more --num-blocks or the workload fewer tokens")
     return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
 
 

@@ -34,13 +34,13 @@ import hashlib
 import json
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 import kvd
-from kvd.errors import BadArgsError
 from workers.model import DecoderLM, ModelConfig, PagedKV
 
 
@@ -63,8 +63,8 @@ class RequestStats:
     prompt_tokens: int
     cached_tokens: int      # prefill skipped: K/V found in kvd
     new_tokens: int
-    prefill_s: float
-    decode_s: float
+    prefill_s: float        # from open_sequence (a round trip) to the first token's logits
+    decode_s: float         # the other tokens, commit and close
 
 
 @dataclass
@@ -103,21 +103,24 @@ class WorkerStats:
 
 
 class KvdDecoder:
-    """Runs `DecoderLM` requests with their K/V in a kvd pool."""
+    """Runs `DecoderLM` requests with their K/V in a kvd pool; keeps per-request stats."""
 
-    def __init__(self, client: kvd.Client, model: DecoderLM):
+    def __init__(self, client: kvd.Client, model: DecoderLM, worker_id: int = 0):
         self.client = client
         self.model = model
+        self.totals = WorkerStats(worker_id)
+        self.last_request: RequestStats | None = None
         self.pool = client.pool
-        geometry = client.geometry
-        PagedKV(self.pool, []).check_config(model.config)
-        if geometry.dtype not in ("float32", "float16", "bfloat16"):
-            raise BadArgsError(f"unsupported pool dtype {geometry.dtype}")
+        PagedKV(self.pool, []).check_config(model.config)  # the daemon's geometry fits the model
         self.salt = model_salt(model.config)
 
     def generate(self, prompt: np.ndarray, num_new_tokens: int
-                 ) -> tuple[list[int], list[np.ndarray], RequestStats]:
-        """Greedy-decode `num_new_tokens` after `prompt`; returns tokens, each step's logits, stats."""
+                 ) -> tuple[list[int], list[np.ndarray]]:
+        """Greedy-decode `num_new_tokens` after `prompt`: new tokens and each step's logits.
+
+        Same contract as `DecoderLM.generate`; the request's stats go to `last_request` and
+        `totals`.
+        """
         started = time.perf_counter()
         seq = self.client.open_sequence(prompt, salt=self.salt)
         try:
@@ -129,9 +132,10 @@ class KvdDecoder:
             self.client.commit_sequence(seq)
         finally:
             self.client.close_sequence(seq)
-        stats = RequestStats(len(prompt), seq.num_cached_tokens, len(tokens),
-                             prefilled - started, time.perf_counter() - prefilled)
-        return tokens, step_logits, stats
+        self.last_request = RequestStats(len(prompt), seq.num_cached_tokens, len(tokens),
+                                         prefilled - started, time.perf_counter() - prefilled)
+        self.totals.add(self.last_request)
+        return tokens, step_logits
 
     def _appender(self, seq: kvd.Sequence) -> Callable[[int], None]:
         def append(token_id: int) -> None:
@@ -190,26 +194,33 @@ def run_worker(args: argparse.Namespace) -> tuple[WorkerStats, list[np.ndarray]]
     with kvd.connect(args.name) as client:
         # The decoder holds views of the segment: it must be gone before the client unmaps it,
         # so it lives only inside _serve.
-        return _serve(client, args)
+        try:
+            return _serve(client, args)
+        except BaseException as exc:
+            drop_frames(exc)
+            raise
+
+
+def drop_frames(exc: BaseException) -> None:
+    """Clear the locals of the frames in `exc`'s traceback.
+
+    They hold views of the segment (the decoder's pool); while they live, the client's close()
+    cannot unmap it and raises InUseError, hiding `exc` — say NoSpaceError — behind it. (A
+    frame also keeps its function alive, so no closure here may capture the decoder.)
+    """
+    traceback.clear_frames(exc.__traceback__)
 
 
 def _serve(client: kvd.Client, args: argparse.Namespace) -> tuple[WorkerStats, list[np.ndarray]]:
     config = config_for_geometry(client.geometry, args.heads_per_kv, args.vocab_size, args.seed)
-    decoder = KvdDecoder(client, DecoderLM(config))
-    stats = WorkerStats(args.worker_id)
+    decoder = KvdDecoder(client, DecoderLM(config), args.worker_id)
     all_logits: list[np.ndarray] = []
-
-    def generate(prompt: np.ndarray, n: int) -> tuple[list[int], list[np.ndarray]]:
-        tokens, step_logits, request_stats = decoder.generate(prompt, n)
-        stats.add(request_stats)
-        return tokens, step_logits
-
     for conversation in conversations(
             args.worker_id, args.num_workers, args.conversations, args.turns,
             args.system_prompts, args.system_tokens, args.user_tokens, args.vocab_size, args.seed):
-        for step_logits in run_conversation(generate, conversation, args.new_tokens):
+        for step_logits in run_conversation(decoder.generate, conversation, args.new_tokens):
             all_logits.append(np.stack(step_logits))
-    return stats, all_logits
+    return decoder.totals, all_logits
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -234,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print stats as one JSON line")
     parser.add_argument("--save-logits", metavar="PATH",
-                        help="save every request's step logits, (requests, new_tokens, vocab), .npy")
+                        help="save every request's step logits as .npy, shape "
+                        "(requests, new_tokens, vocab)")
     return parser
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 import kvd
 from kvd.traces import TRACE_BLOCK_TOKENS, Request, load_trace
-from workers.attention import KvdDecoder, config_for_geometry, model_salt
+from workers.attention import KvdDecoder, config_for_geometry, drop_frames, model_salt
 from workers.model import DecoderLM
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
@@ -94,8 +94,8 @@ class ModelServer:
         self.decoder = decoder
 
     def serve(self, prompt: np.ndarray, num_new_tokens: int) -> tuple[int, int]:
-        tokens, _, stats = self.decoder.generate(prompt, num_new_tokens)
-        return stats.cached_tokens, len(tokens)
+        tokens, _ = self.decoder.generate(prompt, num_new_tokens)
+        return self.decoder.last_request.cached_tokens, len(tokens)
 
 
 def replay_share(args: argparse.Namespace) -> ReplayStats:
@@ -104,7 +104,11 @@ def replay_share(args: argparse.Namespace) -> ReplayStats:
     with kvd.connect(args.name) as client:
         # The model server holds views of the segment: it must be gone before the client
         # unmaps it, so it lives only inside _replay.
-        return _replay(client, requests, args)
+        try:
+            return _replay(client, requests, args)
+        except BaseException as exc:
+            drop_frames(exc)
+            raise
 
 
 def _replay(client: kvd.Client, requests: list[Request], args: argparse.Namespace

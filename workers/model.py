@@ -215,7 +215,8 @@ class DecoderLM:
     def __init__(self, config: ModelConfig):
         self.config = config
         rng = np.random.default_rng(config.seed)
-        self.embedding = rng.standard_normal((config.vocab_size, config.model_dim)).astype(np.float32)
+        embedding = rng.standard_normal((config.vocab_size, config.model_dim))
+        self.embedding = embedding.astype(np.float32)
         self.layers = [_layer_weights(rng, config) for _ in range(config.num_layers)]
         self.final_norm = _norm_gain(rng, config.model_dim)
         self.lm_head = (self.embedding.T / np.sqrt(config.model_dim) if config.tie_embeddings
@@ -230,7 +231,8 @@ class DecoderLM:
         """
         token_ids = np.asarray(token_ids)
         if token_ids.ndim != 1 or token_ids.size == 0:
-            raise BadArgsError(f"token_ids must be a non-empty 1-D array, got shape {token_ids.shape}")
+            raise BadArgsError(f"token_ids must be a non-empty 1-D array, got shape "
+                               f"{token_ids.shape}")
         c = self.config
         x = self.embedding[token_ids]
         cos, sin = self._rope(start_pos, len(token_ids))

@@ -69,3 +69,13 @@ def test_second_worker_reuses_shared_prefix_and_matches_reference(
         reference = _reference_logits(worker_id, dtype)
         assert paged.shape == reference.shape == (2, WORKLOAD["new_tokens"], 512)
         assert np.abs(paged - reference).max() <= 1e-5
+
+
+def test_worker_reports_no_space_not_a_masking_close_error(daemon_factory, worker_env: dict,
+                                                           source_root: Path) -> None:
+    name = daemon_factory(**{**GEOMETRY, "num_blocks": 4}, dtype="float32").name
+    done = subprocess.run([sys.executable, "-m", "workers.attention", "--name", name,
+                           "--system-tokens", "100"], env=worker_env, cwd=source_root,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "NoSpaceError" in done.stderr and "InUseError" not in done.stderr, done.stderr

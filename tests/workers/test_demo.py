@@ -36,7 +36,8 @@ def test_demo_runs_and_cleans_up(worker_env: dict, source_root: Path) -> None:
 
 def test_demo_interrupted_stops_daemon_and_workers(worker_env: dict, source_root: Path) -> None:
     before = _our_demo_segments()
-    proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "demo", *SMALL, "--turns", "50"],
+    proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "demo", *SMALL,
+                             "--conversations", "100"],
                             env=worker_env, cwd=source_root, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     first_line = proc.stdout.readline()          # printed once the daemon is up

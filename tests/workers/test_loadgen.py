@@ -64,8 +64,19 @@ def test_replay_reports_hits_and_evictions(daemon_factory, worker_env: dict, sou
 
 def test_absent_trace_skips_with_a_message(worker_env: dict, source_root: Path,
                                            tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "workers.loadgen", str(tmp_path / "no" / "t.jsonl")],
-                          env=worker_env, cwd=source_root, capture_output=True, text=True,
-                          timeout=30)
+    absent = tmp_path / "no" / "t.jsonl"
+    done = subprocess.run([sys.executable, "-m", "workers.loadgen", str(absent)], env=worker_env,
+                          cwd=source_root, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0
     assert "skipped" in done.stderr and "absent" in done.stderr
+
+
+@pytest.mark.integration
+def test_replay_of_the_real_trace_head(daemon_factory, shared_traces: Path, worker_env: dict,
+                                       source_root: Path) -> None:
+    """The first requests of the Mooncake trace (skips when ../shared/traces is absent)."""
+    name = daemon_factory(**{**GEOMETRY, "num_blocks": 1024}, dtype="float32").name
+    summary = _loadgen(shared_traces / "synthetic_trace.jsonl", name, worker_env, source_root,
+                       "--limit", "60", "--no-model")
+    assert summary["requests"] + summary["rejected"] == 60
+    assert summary["requests"] > 0

@@ -1,0 +1,124 @@
+"""The `kvd` command as users run it: start/stop/status/stats, single instance, signals, errors."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+import kvd
+from kvd.runtime import DaemonPaths
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--num-blocks", "16", "--layers", "1", "--kv-heads", "1", "--head-dim", "8",
+        "--block-size", "4"]
+
+pytestmark = pytest.mark.integration
+
+
+def kvd_cli(*args: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "kvd.cli", *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def leftovers(paths: DaemonPaths) -> list[str]:
+    return [p for p in (f"/dev/shm{paths.segment_name}", paths.socket_path, paths.pid_path)
+            if os.path.exists(p)]
+
+
+def test_a_second_start_with_the_same_name_is_refused_while_the_first_serves(kvd_daemon):
+    second = kvd_cli("start", "--name", kvd_daemon.name, *TINY)
+    assert second.returncode != 0
+    assert "already running" in second.stderr and kvd_daemon.name in second.stderr
+    assert "kvd stop" in second.stderr  # says what to do
+    assert not second.stdout
+    assert kvd_daemon.proc.poll() is None
+    assert os.path.exists(kvd_daemon.paths.socket_path)  # the loser touched nothing
+    with kvd_daemon.connect() as client:
+        client.release(client.alloc(4))
+        assert client.stats()["daemon_pid"] == kvd_daemon.proc.pid
+
+
+def test_kvd_stop_removes_socket_segment_and_pidfile(kvd_daemon):
+    with kvd_daemon.connect() as client:  # a connected client does not keep it alive
+        client.alloc(2)
+        done = kvd_cli("stop", "--name", kvd_daemon.name)
+    assert done.returncode == 0, done.stderr
+    assert f"stopped {kvd_daemon.name}" in done.stdout
+    assert kvd_daemon.proc.wait(20) == 0
+    assert leftovers(kvd_daemon.paths) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_sigint_stop_cleanly(kvd_daemon, signum):
+    with kvd_daemon.connect() as client:
+        client.alloc(2)
+        kvd_daemon.proc.send_signal(signum)
+        assert kvd_daemon.proc.wait(20) == 0
+    assert leftovers(kvd_daemon.paths) == []
+    assert f"received {signal.Signals(signum).name}, stopping" in kvd_daemon.log()
+    assert "Traceback" not in kvd_daemon.log()
+
+
+def test_stop_status_and_stats_of_a_daemon_that_is_not_running():
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    stop = kvd_cli("stop", "--name", name)
+    assert stop.returncode == 1 and "no daemon named" in stop.stderr
+    status = kvd_cli("status", "--name", name)
+    assert status.returncode == 3 and "not running" in status.stdout
+    assert kvd_cli("stats", "--name", name, "--json").returncode == 3
+
+
+def test_detach_status_stats_stop_round_trip():
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    paths = DaemonPaths.for_name(name)
+    try:
+        started = kvd_cli("start", "--name", name, "--detach", "--policy", "lru", *TINY)
+        assert started.returncode == 0, started.stderr
+        assert started.stdout.startswith(f"kvd: serving name={name}")
+        assert f"socket={paths.socket_path}" in started.stdout
+        assert f"segment={paths.segment_name}" in started.stdout
+        with kvd.connect(name) as client:
+            client.alloc(3)
+            status = kvd_cli("status", "--name", name)
+            assert status.returncode == 0
+            assert "sessions" in status.stdout and "16 blocks" in status.stdout
+            assert "policy lru" in status.stdout
+            table = kvd_cli("stats", "--name", name)
+            assert table.returncode == 0 and "blocks free / owned / sealed / cached" in table.stdout
+            assert "13 / 3 / 0 / 0 of 16" in table.stdout
+            as_json = kvd_cli("stats", "--name", name, "--json")
+            stats = json.loads(as_json.stdout)
+        assert (stats["num_blocks"], stats["owned"], stats["policy"]) == (16, 3, "lru")
+        assert stats["geometry"]["block_size"] == 4
+        stopped = kvd_cli("stop", "--name", name)
+        assert stopped.returncode == 0, stopped.stderr
+        assert leftovers(paths) == []
+        assert kvd_cli("status", "--name", name).returncode == 3
+    finally:
+        with contextlib.suppress(OSError, ValueError):  # only if a check above failed
+            os.kill(int(Path(paths.pid_path).read_text()), signal.SIGKILL)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm{paths.segment_name}")
+
+
+def test_a_pool_larger_than_dev_shm_is_a_one_line_error_at_start():
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    paths = DaemonPaths.for_name(name)
+    free_nbytes = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    memory = f"{free_nbytes // (1 << 20) * 2 + 1024}M"  # twice what is free
+    done = kvd_cli("start", "--name", name, "--memory", memory, "--layers", "1")
+    assert done.returncode == 2, (done.returncode, done.stderr)  # not -SIGBUS
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("kvd: /dev/shm has ") and "lower --num-blocks" in lines[0]
+    assert leftovers(paths) == []

@@ -233,7 +233,8 @@ def _run_demo(args: argparse.Namespace, name: str) -> int:
                   f"({g.pool_nbytes / 2**20:.1f} MiB), policy {client.stats()['policy']}")
             print(f"{args.workers} workers x {args.conversations} conversations x {args.turns} "
                   f"turns; {args.system_prompts} system prompts of {args.system_tokens} tokens "
-                  f"shared by all workers; {args.new_tokens} tokens generated per turn\n")
+                  f"shared by all workers; {args.new_tokens} tokens generated per turn\n",
+                  flush=True)  # a reader on a pipe sees progress before the workers finish
             workers_started = time.perf_counter()
             results = run_workers(args, name)
             wall_s = time.perf_counter() - workers_started

@@ -36,9 +36,10 @@ def test_demo_runs_and_cleans_up(worker_env: dict, source_root: Path) -> None:
 
 def test_demo_interrupted_stops_daemon_and_workers(worker_env: dict, source_root: Path) -> None:
     before = _our_demo_segments()
+    env = {k: v for k, v in worker_env.items() if k != "PYTHONUNBUFFERED"}  # a real pipe
     proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "demo", *SMALL,
                              "--conversations", "100"],
-                            env=worker_env, cwd=source_root, stdout=subprocess.PIPE,
+                            env=env, cwd=source_root, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     first_line = proc.stdout.readline()          # printed once the daemon is up
     assert first_line.startswith("kvd demo: daemon"), first_line

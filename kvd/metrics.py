@@ -31,9 +31,9 @@ class OpStats:
 
     def observe(self, op: str, seconds: float) -> None:
         buckets = self.latency.get(op)
-        if buckets is None:
-            buckets = self.latency[op] = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        if buckets is None:  # the sum first: a scrape that sees the op must find its sum
             self.latency_sum_s[op] = 0.0
+            buckets = self.latency[op] = [0] * (len(LATENCY_BUCKETS_S) + 1)
         buckets[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
         self.latency_sum_s[op] += seconds
 
@@ -41,7 +41,8 @@ class OpStats:
         self.errors[code] = self.errors.get(code, 0) + 1
 
     def requests(self) -> dict[str, int]:
-        return {op: sum(buckets) for op, buckets in self.latency.items()}
+        # list() copies in one C call: the loop thread may add an op while a scrape iterates.
+        return {op: sum(buckets) for op, buckets in list(self.latency.items())}
 
 
 class KvdCollector:

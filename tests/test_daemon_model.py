@@ -166,6 +166,16 @@ class DaemonMachine(RuleBasedStateMachine):
     def draw_slot(self, data: st.DataObject) -> int:
         return data.draw(st.sampled_from(sorted(self.clients)), label="slot")
 
+    @staticmethod
+    def draw_blocks(data: st.DataObject, held: list[int], max_size: int) -> list[int]:
+        """Mostly blocks the session holds, sometimes any block (to provoke errors).
+
+        Draws indices, not `sampled_from(held)`: which ids the daemon handed out is not part of
+        Hypothesis's choices, and its draws must not depend on them."""
+        picks = data.draw(st.lists(st.tuples(st.integers(0, 9), st.integers(0, NUM_BLOCKS - 1)),
+                                   max_size=max_size), label="blocks")
+        return [held[i % len(held)] if held and i < 8 else any_id for i, any_id in picks]
+
     def session(self, slot: int) -> int:
         return self.clients[slot].session_id
 
@@ -210,8 +220,7 @@ class DaemonMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def seal(self, data: st.DataObject) -> None:
         slot = self.draw_slot(data)
-        held = sorted(self.model.pins[self.session(slot)])
-        block_ids = data.draw(st.lists(st.sampled_from(held + [0, NUM_BLOCKS - 1]), max_size=3))
+        block_ids = self.draw_blocks(data, sorted(self.model.pins[self.session(slot)]), 3)
         keys = data.draw(st.lists(st.sampled_from(self.keys), min_size=len(block_ids),
                                   max_size=len(block_ids)))
         self.expect(slot, "seal", (block_ids, keys),
@@ -237,7 +246,7 @@ class DaemonMachine(RuleBasedStateMachine):
     def release(self, data: st.DataObject) -> None:
         slot = self.draw_slot(data)
         held = sorted(self.model.pins[self.session(slot)].elements())
-        block_ids = data.draw(st.lists(st.sampled_from(held + [NUM_BLOCKS - 1]), max_size=4))
+        block_ids = self.draw_blocks(data, held, 4)
         self.expect(slot, "release", (block_ids,),
                     lambda: self.model.release(self.session(slot), block_ids))
 

@@ -228,8 +228,19 @@ class Client:
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # An exception is passing through: its traceback's frames often still hold views, so
+        # unmapping would raise InUseError and hide the real error. End the session and leave
+        # the mapping to the garbage collector (it is unmapped once the last view is gone).
+        _live_clients.discard(self)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._pool = self._segment = None
+        self._stale_segments = []
 
     @property
     def is_closed(self) -> bool:

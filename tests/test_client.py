@@ -28,7 +28,7 @@ def state(client: kvd.Client) -> tuple:
 
 
 class CountingRelay:
-    """A Unix socket at `path` relaying `num_connections` connections to `target`, counting bytes."""
+    """A Unix socket at `path` relaying connections to `target` and counting their bytes."""
 
     def __init__(self, target: str, path: str, num_connections: int) -> None:
         self.nbytes = {"to_daemon": 0, "from_daemon": 0}

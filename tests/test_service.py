@@ -1,4 +1,4 @@
-"""kvd.service.Service without a daemon: sessions, hello, every op, and refusals that change nothing.
+"""kvd.service.Service without a daemon: sessions, hello, every op, refusals that change nothing.
 
 The daemon only frames bytes around `Service.handle`, so each wire op's semantics and its typed
 errors are tested here directly; tests/test_daemon.py checks the same codes over a real socket.

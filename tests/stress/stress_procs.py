@@ -298,3 +298,65 @@ class RemoteClient:
         self.process.kill()
         self.process.join()
         self._pipe.close()
+
+
+# ---- eviction-safety race: readers pin and verify while churners evict and overwrite --------
+RACE_COUNTERS = ("verified_blocks", "corrupt_reads", "published", "churned_blocks")
+
+
+def race_main(role: str, socket_path: str, keys: list[bytes], counters: Any, slot: int) -> None:
+    """`reader`: pin each key's block, read it three times, release. `publisher`: seal any key
+    that is missing. `churner`: allocate as much as it can (evicting every unpinned block),
+    overwrite it with 0xFF and free it again. Runs until `counters[0]` is set."""
+    base = slot * len(RACE_COUNTERS)
+    with kvd.connect(socket_path) as client:
+        step = {"reader": _race_read, "publisher": _race_publish, "churner": _race_churn}[role]
+        rng = random.Random(slot)
+        while not counters[0]:
+            for name, amount in step(client, keys, rng).items():
+                counters[base + RACE_COUNTERS.index(name)] += amount
+
+
+def _race_read(client: kvd.Client, keys: list[bytes], rng: random.Random) -> dict[str, int]:
+    key = rng.choice(keys)
+    block_ids = client.lookup([key])
+    corrupt = 0
+    for block_id in block_ids:
+        generation = client.generation(block_id)
+        for _ in range(3):
+            if not np.array_equal(block_bytes(client, block_id),
+                                  pattern(key, client.geometry.block_nbytes)):
+                corrupt += 1
+        corrupt += client.generation(block_id) != generation
+    client.release(block_ids)
+    return {"verified_blocks": 3 * len(block_ids), "corrupt_reads": corrupt}
+
+
+def _race_publish(client: kvd.Client, keys: list[bytes], rng: random.Random) -> dict[str, int]:
+    key = rng.choice(keys)
+    block_ids = client.lookup([key])
+    if not block_ids:
+        try:
+            block_ids = client.alloc(1)
+        except kvd.NoSpaceError:
+            return {}
+        block_bytes(client, block_ids[0])[:] = pattern(key, client.geometry.block_nbytes)
+        client.seal(block_ids, [key])
+    client.release(block_ids)  # while readers may still be reading it
+    return {"published": 1}
+
+
+def _race_churn(client: kvd.Client, keys: list[bytes], rng: random.Random) -> dict[str, int]:
+    num_blocks = rng.randrange(1, client.geometry.num_blocks + 1)
+    while num_blocks:
+        try:
+            block_ids = client.alloc(num_blocks)
+            break
+        except kvd.NoSpaceError:
+            num_blocks //= 2
+    else:
+        return {}
+    for block_id in block_ids:
+        block_bytes(client, block_id)[:] = 0xFF
+    client.release(block_ids)
+    return {"churned_blocks": len(block_ids)}

@@ -7,6 +7,7 @@ after which a kvd segment appeared in /dev/shm that was not there before it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -84,6 +85,18 @@ class DaemonHandle:
     paths: DaemonPaths
     log_path: Path
 
+    @classmethod
+    def launch(cls, log_dir: Path, extra_args: list[str] | None = None,
+               **options: object) -> DaemonHandle:
+        """Start `kvd start --name <unique> --<option> <value>...` without waiting for it."""
+        name = daemon_name()
+        log_path = log_dir / f"{name}.log"
+        proc = start_daemon_process(name, log_path, extra_args, **options)
+        return cls(name, proc, DaemonPaths.for_name(name), log_path)
+
+    def wait_ready(self) -> None:
+        wait_ready(self.proc, self.name, self.log_path)
+
     def connect(self, **kwargs: object) -> kvd.Client:
         return kvd.connect(self.name, **kwargs)
 
@@ -93,6 +106,19 @@ class DaemonHandle:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def stop_and_check(self) -> None:
+        """SIGTERM; a running daemon must exit 0, and none may leave segment, socket or pidfile."""
+        was_running = self.proc.poll() is None
+        stop_daemon(self)
+        left = self.leftovers()
+        for path in left:  # clean up before failing so one failure does not cascade
+            if path.startswith("/dev/shm/"):
+                os.unlink(path)
+        if was_running:
+            assert self.proc.returncode == 0, (
+                f"daemon {self.name} exited {self.proc.returncode}:\n{self.log()}")
+        assert not left, f"daemon {self.name} left {left}"
 
 
 def start_daemon_process(name: str, log_path: Path, extra_args: list[str] | None = None,
@@ -131,32 +157,38 @@ def stop_daemon(handle: DaemonHandle) -> None:
             raise AssertionError(f"daemon {handle.name} ignored SIGTERM:\n{handle.log()}")
 
 
+@contextlib.contextmanager
+def running_daemons(log_dir: Path, *option_sets: dict[str, object]) -> Iterator[list[DaemonHandle]]:
+    """Start one daemon per option set, all at once; stop and check every one at exit."""
+    handles: list[DaemonHandle] = []
+    try:
+        for options in option_sets:
+            handles.append(DaemonHandle.launch(log_dir, **options))
+        for handle in handles:
+            handle.wait_ready()
+        yield handles
+    finally:
+        errors = []
+        for handle in handles:
+            try:
+                handle.stop_and_check()
+            except AssertionError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
 @pytest.fixture
 def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonHandle]]:
     """`daemon_factory(**options)` starts `kvd start --name <unique> --<option> <value>...`."""
-    handles: list[DaemonHandle] = []
+    with contextlib.ExitStack() as stack:
+        def start(extra_args: list[str] | None = None, **options: object) -> DaemonHandle:
+            handle = DaemonHandle.launch(tmp_path, extra_args, **options)
+            stack.callback(handle.stop_and_check)
+            handle.wait_ready()
+            return handle
 
-    def start(extra_args: list[str] | None = None, **options: object) -> DaemonHandle:
-        name = daemon_name()
-        log_path = tmp_path / f"{name}.log"
-        proc = start_daemon_process(name, log_path, extra_args, **options)
-        handle = DaemonHandle(name, proc, DaemonPaths.for_name(name), log_path)
-        handles.append(handle)
-        wait_ready(proc, name, log_path)
-        return handle
-
-    yield start
-    for handle in handles:
-        was_running = handle.proc.poll() is None
-        stop_daemon(handle)
-        if was_running:
-            assert handle.proc.returncode == 0, (
-                f"daemon {handle.name} exited {handle.proc.returncode}:\n{handle.log()}")
-        left = handle.leftovers()
-        for path in left:  # clean up before failing so one failure does not cascade
-            if path.startswith("/dev/shm/"):
-                os.unlink(path)
-        assert not left, f"daemon {handle.name} left {left}"
+        yield start
 
 
 @pytest.fixture
@@ -171,3 +203,14 @@ def shared_traces() -> Path:
         pytest.skip(f"real traces not found at {SHARED_TRACES} (../shared/traces beside the "
                     "checkout); the default run uses generated fixtures instead")
     return SHARED_TRACES
+
+
+@pytest.fixture
+def worker_env() -> dict[str, str]:
+    """Children import kvd and workers from this checkout, one BLAS thread each."""
+    return child_env()
+
+
+@pytest.fixture
+def source_root() -> Path:
+    return ROOT

@@ -17,9 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -28,9 +26,8 @@ import pytest
 import kvd
 from kvd.policies import DEFAULT_POLICY, POLICIES
 from kvd.protocol import PROTOCOL_VERSION, FrameDecoder, encode_request, parse_reply, unpack_body
-from kvd.runtime import DaemonPaths
+from conftest import DaemonHandle, child_env, running_daemons
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"num_blocks": 64, "layers": 2, "kv_heads": 2, "head_dim": 8, "block_size": 4,
          "dtype": "float32"}
 STATE_KEYS = ("free", "owned", "sealed", "cached", "indexed", "allocations", "evictions",
@@ -41,82 +38,9 @@ pytestmark = pytest.mark.integration
 
 # ---- daemons --------------------------------------------------------------------------------
 
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = "1"
-    return env
-
-
-class Daemon:
-    """A `kvd start` subprocess with a unique name, its log in `log_path`."""
-
-    def __init__(self, log_dir: Path, **options: object) -> None:
-        self.name = f"t-{uuid.uuid4().hex[:10]}"
-        self.paths = DaemonPaths.for_name(self.name)
-        self.log_path = log_dir / f"{self.name}.log"
-        command = [sys.executable, "-m", "kvd.cli", "start", "--name", self.name]
-        for key, value in options.items():
-            command += [f"--{key.replace('_', '-')}", str(value)]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(command, env=child_env(), cwd=ROOT, stdout=log,
-                                         stderr=log)
-
-    def wait_ready(self, timeout_s: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc.poll() is None, f"daemon exited {self.proc.returncode}:\n{self.log()}"
-            try:
-                kvd.connect(self.name).close()
-                return
-            except kvd.DisconnectedError:
-                assert time.monotonic() < deadline, f"daemon not ready:\n{self.log()}"
-                time.sleep(0.02)
-
-    def connect(self, **kwargs: object) -> kvd.Client:
-        return kvd.connect(self.name, **kwargs)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop_and_check(self) -> None:
-        """SIGTERM; it must exit 0 and leave no segment, socket or pidfile."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        left = [p for p in (f"/dev/shm{self.paths.segment_name}", self.paths.socket_path,
-                            self.paths.pid_path) if os.path.exists(p)]
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"/dev/shm{self.paths.segment_name}")
-        assert self.proc.returncode == 0 and not left, (self.proc.returncode, left, self.log())
-
-
-@contextlib.contextmanager
-def daemons(log_dir: Path, *option_sets: dict[str, object]) -> Iterator[list[Daemon]]:
-    """Start one daemon per option set, all at once (two cores: half the wall time)."""
-    started = [Daemon(log_dir, **options) for options in option_sets]
-    try:
-        for daemon in started:
-            daemon.wait_ready()
-        yield started
-    finally:
-        errors = []
-        for daemon in started:
-            try:
-                daemon.stop_and_check()
-            except AssertionError as exc:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-
-
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    with daemons(tmp_path_factory.mktemp("daemon"), SMALL) as (daemon,):
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
+    with running_daemons(tmp_path_factory.mktemp("daemon"), SMALL) as (daemon,):
         yield daemon
 
 
@@ -136,7 +60,7 @@ def wait_idle(client: kvd.Client, num_sessions: int = 1, timeout_s: float = 2.0)
 
 
 @pytest.fixture
-def idle(shared: Daemon) -> Iterator[Daemon]:
+def idle(shared: DaemonHandle) -> Iterator[DaemonHandle]:
     """The shared daemon; after the test it must hold no session and nothing owned or pinned."""
     yield shared
     with shared.connect() as client:
@@ -462,7 +386,7 @@ def test_default_policy_is_the_documented_one(idle):
         assert client.stats()["policy"] == DEFAULT_POLICY
 
 
-def _eviction_scenario(daemon: Daemon, policy: str) -> None:
+def _eviction_scenario(daemon: DaemonHandle, policy: str) -> None:
     hashes = kvd.hash_blocks(np.arange(32), 4)
     with daemon.connect() as a, daemon.connect() as b:
         assert a.stats()["policy"] == policy
@@ -489,13 +413,13 @@ def test_policy_flag_selects_each_registered_policy_and_pinned_blocks_are_never_
         tmp_path):
     names = sorted(POLICIES)
     geometry = {**SMALL, "num_blocks": 16}
-    with daemons(tmp_path, *({**geometry, "policy": name} for name in names)) as started:
+    with running_daemons(tmp_path, *({**geometry, "policy": name} for name in names)) as started:
         for name, daemon in zip(names, started):
             _eviction_scenario(daemon, name)
 
 
 def test_unknown_policy_is_refused_at_start(tmp_path):
-    daemon = Daemon(tmp_path, policy="belady", **SMALL)
+    daemon = DaemonHandle.launch(tmp_path, policy="belady", **SMALL)
     assert daemon.proc.wait(30) != 0
     assert "unknown --policy 'belady'" in daemon.log()
     assert not os.path.exists(daemon.paths.socket_path)
@@ -507,7 +431,7 @@ def test_unknown_policy_is_refused_at_start(tmp_path):
 def test_views_have_the_pool_dtype_and_shape_for_every_dtype(tmp_path):
     dtypes = {"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}
     option_sets = [{**SMALL, "num_blocks": 4, "dtype": name} for name in dtypes]
-    with daemons(tmp_path, *option_sets) as started:
+    with running_daemons(tmp_path, *option_sets) as started:
         for (name, storage), daemon in zip(dtypes.items(), started):
             with daemon.connect() as writer, daemon.connect() as reader:
                 assert writer.geometry.dtype == name

@@ -26,7 +26,7 @@ import pytest
 import kvd
 from kvd.runtime import DaemonPaths, runtime_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, child_env
 NOBODY = 65534
 
 pytestmark = [
@@ -62,12 +62,6 @@ try:
 except kvd.KvdError as exc:
     print("client", type(exc).__name__, exc.code, str(exc).replace(chr(10), " "))
 """
-
-
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
 
 
 def run_as_nobody(socket_path: str) -> dict[str, list[str]]:

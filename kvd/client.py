@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.errors import BadArgsError, DeniedError, DisconnectedError, InUseError
+from kvd.errors import BadArgsError, DeniedError, DisconnectedError, InUseError, NoSpaceError
 from kvd.geometry import Geometry
 from kvd.hashing import token_bytes
 from kvd.protocol import (
@@ -258,16 +258,22 @@ class Client:
 
     def view(self, block_id: int) -> np.ndarray:
         """One block `(num_layers, 2, block_size, H, D)`, a view into shared memory (no copy)."""
+        return self.pool[self._checked_id(block_id)]
+
+    def generation(self, block_id: int) -> int:
+        """The block's generation counter; it changes whenever the block is freed and reused."""
+        block_id = self._checked_id(block_id)
+        if self._segment is None:
+            raise DisconnectedError("the client is closed: call kvd.connect() again")
+        return int(self._segment.generations[block_id])
+
+    def _checked_id(self, block_id: int) -> int:
         if type(block_id) is not int and not isinstance(block_id, np.integer):
             raise BadArgsError(f"block_id must be an int, got {block_id!r}")
         if not 0 <= block_id < self.geometry.num_blocks:  # -1 would silently be the last block
             raise BadArgsError(f"block_id must be in [0, {self.geometry.num_blocks}), "
                                f"got {block_id}")
-        return self.pool[block_id]
-
-    def generation(self, block_id: int) -> int:
-        """The block's generation counter; it changes whenever the block is freed and reused."""
-        return int(self._segment.generations[block_id])
+        return block_id
 
     def alloc(self, num_blocks: int) -> list[int]:
         """`num_blocks` writable blocks owned by this session. Raises NoSpaceError."""
@@ -325,13 +331,20 @@ class Client:
         self._check_live(seq)
         data = token_bytes(token_ids)
         num_computed = seq.num_tokens if num_computed is None else num_computed
-        new_ids = self._call("seq_extend", {"seq_id": seq.seq_id, "tokens": data,
-                                            "num_computed": num_computed})
+        try:
+            new_ids = self._call("seq_extend", {"seq_id": seq.seq_id, "tokens": data,
+                                                "num_computed": num_computed})
+        except NoSpaceError:
+            self._note_sealed(seq, num_computed)  # the commit happened before allocation failed
+            raise
+        self._note_sealed(seq, num_computed)
         seq.block_ids.extend(new_ids)
         seq.num_tokens += len(data) // 4
+        return new_ids
+
+    def _note_sealed(self, seq: Sequence, num_computed: int) -> None:
         seq.num_sealed_blocks = max(seq.num_sealed_blocks,
                                     num_computed // self.geometry.block_size)
-        return new_ids
 
     def commit_sequence(self, seq: Sequence, num_computed: int | None = None) -> int:
         """Seal the full blocks below `num_computed` tokens (default all); returns how many."""

@@ -112,3 +112,18 @@ def test_pinned_reads_survive_release_and_churn(daemon_factory: Any) -> None:
     assert totals["verified_blocks"] > 0 and totals["churned_blocks"] > 0, totals
     with handle.connect() as client:
         assert client.stats()["evictions"] > 0
+
+
+@pytest.mark.integration
+def test_generation_rejects_ids_outside_the_pool(kvd_daemon: Any) -> None:
+    """Regression: generation(-1) read the last block's counter, so a stale-reader check on a
+    bad id silently compared the wrong block; a closed client raised AttributeError."""
+    client = kvd_daemon.connect()
+    num_blocks = client.geometry.num_blocks
+    for bad_id in (-1, num_blocks, True, 1.0):
+        with pytest.raises(kvd.BadArgsError):
+            client.generation(bad_id)
+    assert client.generation(np.int64(num_blocks - 1)) >= 0
+    client.close()
+    with pytest.raises(kvd.DisconnectedError):
+        client.generation(0)

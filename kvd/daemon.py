@@ -28,7 +28,6 @@ call, and a plain selector loop avoids a transport, a protocol callback and a fu
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import os
@@ -48,10 +47,7 @@ from kvd.hashing import HASH_VERSION
 from kvd.journal import Journal, failpoint
 from kvd.metrics import OpStats, serve_metrics
 from kvd.pool import BlockPool
-from kvd.protocol import (
-    FrameDecoder, arg_bool, check_no_extra, encode_error, encode_result, parse_request,
-    unpack_body,
-)
+from kvd.protocol import FrameDecoder, encode_error, encode_result, parse_request, unpack_body
 from kvd.runtime import DaemonPaths
 from kvd.runtime import state_dir as state_dir_of
 from kvd.segment import LAYOUT_VERSION, Segment, current_boot_id
@@ -184,7 +180,7 @@ class Daemon:
         info = {"segment": self.segment.name, "segment_uuid": self.segment.uuid,
                 "daemon_pid": os.getpid(), "name": self.paths.name}
         self.service = Service(pool, self.geometry, _block_copier(self.segment.pool), info,
-                               self.ops)
+                               self.ops, on_shutdown=self._on_shutdown)
         if self.journal is not None:
             self.service.journal_state = "ok"
 
@@ -390,10 +386,7 @@ class Daemon:
         num_pending = self.journal.num_pending if self.journal is not None else 0
         try:
             request_id, op, args = parse_request(unpack_body(body))
-            if op == "shutdown" and session.is_ready:
-                result = self._shutdown(args)
-            else:
-                result = self.service.handle(session, op, args)
+            result = self.service.handle(session, op, args)
             reply = encode_result(request_id, result)
         except KvdError as exc:
             if isinstance(exc, ProtocolError) and request_id is None:
@@ -450,10 +443,9 @@ class Daemon:
             return exc
         return None
 
-    def _shutdown(self, args: dict[str, Any]) -> None:
-        check_no_extra(args, ("keep",))
-        self.stop(keep=arg_bool(args, "keep", False))
-        log.info("shutdown requested by a client (keep=%s)", self.keep_on_stop)
+    def _on_shutdown(self, keep: bool) -> None:
+        self.stop(keep=keep)
+        log.info("shutdown requested by a client (keep=%s)", keep)
 
     def _flush(self, connection: Connection) -> None:
         output = connection.output

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvd.errors import (
-    BadArgsError, InternalError, JournalError, NoSpaceError, NotFoundError, ProtocolError, UnknownOpError,
+    BadArgsError, DeniedError, InternalError, JournalError, NoSpaceError, NotFoundError, ProtocolError, UnknownOpError,
     VersionError,
 )
 from kvd.geometry import Geometry
@@ -60,12 +60,15 @@ class Service:
 
     def __init__(self, pool: BlockPool, geometry: Geometry,
                  copy_block: Callable[[int, int], None], info: dict[str, Any],
-                 ops: OpStats | None = None) -> None:
+                 ops: OpStats | None = None,
+                 on_shutdown: Callable[[bool], None] | None = None) -> None:
         """Args:
             copy_block: copies one block's bytes to another (fork of unsealed blocks).
             info: facts `hello` returns besides geometry (segment name, uuid, daemon pid, ...).
             ops: per-op request and error counts to report in `stats` (the daemon's).
+            on_shutdown: stops the daemon (`keep`: keep segment and journal); None refuses.
         """
+        self._on_shutdown = on_shutdown
         self.ops = ops or OpStats()
         # Set while the journal cannot be written: writes fail closed with this reason.
         self.write_error: str | None = None
@@ -84,6 +87,7 @@ class Service:
             "stats": self._stats, "seq_open": self._seq_open, "seq_extend": self._seq_extend,
             "seq_commit": self._seq_commit, "seq_fork": self._seq_fork,
             "seq_close": self._seq_close, "seq_info": self._seq_info,
+            "shutdown": self._shutdown,
         }
         if os.environ.get(DEBUG_ENV) == "1":
             self._ops["check_invariants"] = self._check_invariants
@@ -170,6 +174,13 @@ class Service:
     def _pin(self, session: Session, args: dict[str, Any]) -> None:
         check_no_extra(args, ("block_ids",))
         self.pool.pin(self._block_ids(args), session.session_id)
+
+    def _shutdown(self, session: Session, args: dict[str, Any]) -> None:
+        check_no_extra(args, ("keep",))
+        keep = arg_bool(args, "keep", False)
+        if self._on_shutdown is None:
+            raise DeniedError("this service cannot be shut down over the wire")
+        self._on_shutdown(keep)
 
     def _stats(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         check_no_extra(args, ())

@@ -24,3 +24,21 @@ def test_with_block_lets_the_real_error_through_while_views_live(kvd_daemon):
     del view
     with kvd_daemon.connect() as client:  # the failed session's blocks were released
         assert len(client.alloc(client.geometry.num_blocks)) == client.geometry.num_blocks
+
+
+def test_shutdown_before_hello_is_a_protocol_error(kvd_daemon):
+    import socket
+
+    from kvd.protocol import FrameDecoder, encode_request, parse_reply, unpack_body
+
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(kvd_daemon.paths.socket_path)
+        sock.sendall(encode_request(1, "shutdown", {}))
+        decoder = FrameDecoder()
+        bodies = []
+        while not bodies:
+            bodies = decoder.feed(sock.recv(4096))
+        with pytest.raises(kvd.ProtocolError):
+            parse_reply(unpack_body(bodies[0]))
+    with kvd_daemon.connect() as client:  # still serving
+        assert client.stats()["requests"]["shutdown"] == 1

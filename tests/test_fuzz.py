@@ -3,7 +3,8 @@
 `FrameFuzzer` makes batches of frames of six kinds: raw random bytes, length-prefixed random
 bodies, valid requests with 1-3 flipped bits, schema-violating requests (a valid template with one
 argument given a random msgpack value, dropped, or joined by an extra one; or a wrong shape
-altogether), zero and huge length prefixes, and frames cut short. Each batch goes down a fresh
+altogether), zero and huge length prefixes, frames cut short, and big frames (a 65,536-hash
+lookup, one hash more, a body of exactly the frame cap). Each batch goes down a fresh
 connection that then half-closes and reads every reply until the daemon closes it. Meanwhile
 hundreds of idle and half-sent connections stay open, some clients pipeline requests and never
 read a reply, and a well-behaved client in a thread allocs, writes, seals, looks up, verifies
@@ -55,6 +56,7 @@ TEMPLATES: dict[str, dict[str, Any]] = {
     "seq_close": {"seq_id": 1},
     "seq_info": {"seq_id": 1},
 }
+KINDS = ("raw", "random_body", "bit_flip", "schema", "bad_length", "truncated", "big")
 EDGE_INTS = (0, 1, -1, 2**31, 2**32, 2**63 - 1, -2**63, 2**64 - 1, 4096)
 
 
@@ -126,10 +128,14 @@ class FrameFuzzer:
             data[self.rng.randrange(len(data))] ^= 1 << self.rng.randrange(8)
         return bytes(data)
 
-    def batch(self) -> tuple[str, list[bytes]]:
+    def batch(self, kind: str | None = None) -> tuple[str, list[bytes]]:
         rng = self.rng
-        kind = rng.choices(("raw", "random_body", "bit_flip", "schema", "bad_length",
-                            "truncated"), weights=(4, 12, 20, 56, 4, 4))[0]
+        kind = kind or rng.choices(KINDS, weights=(4, 12, 20, 56, 4, 4, 0.2))[0]
+        if kind == "big":  # at and just past the batch and frame limits
+            num_hashes = rng.choice((1 << 16, (1 << 16) + 1))
+            return kind, [request(1, "hello", HELLO),
+                          request(2, "lookup", {"hashes": [rng.randbytes(16)] * num_hashes}),
+                          frame(rng.randbytes(MAX_FRAME_NBYTES))]
         if kind == "raw":
             return kind, [rng.randbytes(rng.randrange(1, 200))]
         if kind == "random_body":
@@ -265,14 +271,17 @@ def run_fuzz(handle: Any, num_frames: int, seed: int) -> dict[str, Any]:
     with handle.connect() as monitor:
         daemon_pid = monitor.stats()["daemon_pid"]
         idle = open_idle_connections(socket_path, 200, fuzzer.rng)
-        rss_warm = None
+        # Warm-up: one batch of every kind, so the daemon's buffers and allocator arenas reach
+        # their high-water mark (a 2 MiB frame) before the RSS baseline is taken.
+        for kind in KINDS:
+            send_batch(socket_path, fuzzer.batch(kind)[1], Counter())
+        flood_without_reading(socket_path, 2000)
+        rss_warm = rss_kib(daemon_pid)
         sent = 0
         for kind, frames in fuzzer.batches(num_frames):
             send_batch(socket_path, frames, codes)
             kinds[kind] += len(frames)
             sent += len(frames)
-            if rss_warm is None and sent >= num_frames // 10:
-                rss_warm = rss_kib(daemon_pid)
             if sent % 2000 < len(frames):  # now and then, a client that never reads
                 kinds["never_read"] += 2000
                 flood_without_reading(socket_path, 2000)

@@ -23,11 +23,15 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
-    RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test,
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
 )
+from stress.stress_procs import RemoteClient, check_invariants
 
 import kvd
-from stress.stress_procs import RemoteClient, check_invariants
 
 NUM_BLOCKS = 8
 GEOMETRY = {"layers": 2, "kv_heads": 2, "head_dim": 8, "block_size": 4, "dtype": "float32"}

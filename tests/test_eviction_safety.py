@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from stress.stress_procs import RACE_COUNTERS, block_bytes, context, pattern, race_main
 
 import kvd
 from kvd.policies import POLICIES
-from stress.stress_procs import RACE_COUNTERS, block_bytes, context, pattern, race_main
 
 GEOMETRY = {"layers": 2, "kv_heads": 2, "head_dim": 8, "block_size": 4, "dtype": "float32"}
 NUM_BLOCKS = 16

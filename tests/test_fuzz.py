@@ -31,10 +31,10 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from stress.stress_procs import block_bytes, check_invariants, pattern
 
 import kvd
 from kvd.protocol import MAX_FRAME_NBYTES, FrameDecoder, parse_reply, unpack_body
-from stress.stress_procs import block_bytes, check_invariants, pattern
 
 GEOMETRY = {"num_blocks": 1024, "layers": 2, "kv_heads": 2, "head_dim": 8, "block_size": 4,
             "dtype": "float32"}

@@ -281,7 +281,7 @@ class RemoteClient:
                                          daemon=True)
         self.process.start()
         child_pipe.close()
-        is_ok, self.session_id = self._pipe.recv()
+        _, self.session_id = self._pipe.recv()  # holder_main's first message: its session id
         self.pid = self.process.pid
 
     def call(self, method: str, *args: Any) -> Any:

@@ -33,12 +33,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-import kvd
 from stress.stress_procs import (
-    COUNTERS, NUM_COUNTERS, check_invariants, context, make_prompts, num_distinct_blocks,
+    COUNTERS,
+    NUM_COUNTERS,
+    check_invariants,
+    context,
+    make_prompts,
+    num_distinct_blocks,
     stress_worker_main,
 )
+
+import kvd
 
 RECLAIM_GOAL_S = 0.1
 RECLAIM_TIMEOUT_S = 5.0

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvd.errors import BadArgsError, DisconnectedError, KvdError
 from kvd.geometry import DTYPES, Geometry
-from kvd.policies import DEFAULT_POLICY, POLICIES
+from kvd.policies import DEFAULT_POLICY, POLICIES, parse_tiers
 from kvd.runtime import DEFAULT_NAME, DaemonPaths, runtime_dir
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -49,6 +49,9 @@ def _add_start(subparsers: Any) -> None:
     parser.add_argument("--policy", default="default",
                         help=f"eviction policy: {', '.join(sorted(POLICIES))} or default "
                              f"({DEFAULT_POLICY})")
+    parser.add_argument("--tiers", metavar="prefill=S,decode=S",
+                        help="split the pool into prefill and decode tiers with these shares, "
+                             "e.g. prefill=0.7,decode=0.3 (add :POLICY to give a tier its own)")
     parser.add_argument("--state-dir", help="journal directory for crash recovery "
                         "(default: $XDG_STATE_HOME/kvd/NAME or ~/.local/state/kvd/NAME)")
     parser.add_argument("--no-journal", action="store_true",
@@ -76,11 +79,13 @@ def cmd_start(args: argparse.Namespace) -> int:
     if args.policy not in POLICIES and args.policy != "default":
         raise BadArgsError(f"unknown --policy {args.policy!r}: choose one of "
                            f"{', '.join(sorted(POLICIES))} or default")
+    if args.tiers:
+        parse_tiers(args.tiers)  # a typed error before anything starts
     paths = DaemonPaths.for_name(args.name, args.socket)
     geometry = _geometry(args)
     daemon = Daemon(paths, geometry, args.policy, metrics_port=args.metrics_port,
                     state_dir=args.state_dir, recover=args.recover,
-                    journal=not args.no_journal)
+                    journal=not args.no_journal, tiers=args.tiers)
     if args.detach:
         return _detach(daemon, paths, args.log_level)
     _setup_logging(args.log_level, sys.stderr)

@@ -46,6 +46,7 @@ from kvd.geometry import Geometry
 from kvd.hashing import HASH_VERSION
 from kvd.journal import Journal, failpoint
 from kvd.metrics import OpStats, serve_metrics
+from kvd.policies import make_policy
 from kvd.pool import BlockPool
 from kvd.protocol import FrameDecoder, encode_error, encode_result, parse_request, unpack_body
 from kvd.runtime import DaemonPaths
@@ -114,8 +115,9 @@ class Daemon:
 
     def __init__(self, paths: DaemonPaths, geometry: Geometry, policy: str = "default",
                  metrics_port: int | None = None, state_dir: str | None = None,
-                 recover: bool = False, journal: bool = True) -> None:
+                 recover: bool = False, journal: bool = True, tiers: str | None = None) -> None:
         """Args:
+            tiers: `--tiers` (e.g. prefill=0.7,decode=0.3): a prefill/decode TieredPolicy.
             state_dir: where the journal lives (default: runtime.state_dir(name)).
             recover: re-attach the segment and journal a previous daemon left, if they match.
             journal: keep the crash-recovery journal (off: faster seals, nothing survives).
@@ -123,6 +125,7 @@ class Daemon:
         self.paths = paths
         self.geometry = geometry
         self.policy_name = policy
+        self.tiers = tiers
         self.metrics_port = metrics_port
         self.state_dir = state_dir or str(state_dir_of(paths.name))
         self.is_recovering = recover
@@ -168,8 +171,9 @@ class Daemon:
             block_ids, hashes = [], []
         else:
             self.segment, block_ids, hashes = recovered
-        pool = BlockPool(self.geometry.num_blocks, self.policy_name, self.segment.generations,
-                         observer=self.journal)
+        num_blocks = self.geometry.num_blocks
+        pool = BlockPool(num_blocks, make_policy(self.policy_name, num_blocks, tiers=self.tiers),
+                         self.segment.generations, observer=self.journal)
         if recovered is not None:
             failpoint("during-recovery")
             pool.restore(block_ids, hashes)

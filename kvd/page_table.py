@@ -11,7 +11,9 @@ sequence releases exactly what it holds (tail first, so a chain's tail is evicte
                        token is left to compute: an engine needs the last prompt token's logits),
                        allocate the rest — all or nothing.
     commit(n)          the KV of the first n tokens is written: seal every full block below n under
-                       its chained content hash. Sealed blocks are read-only and shareable.
+                       its chained content hash. Sealed blocks are read-only and shareable. Each is
+                       sealed with its parent's hash (the pool's prefix tree) and its tier: a block
+                       holding any token past the prompt given to `open` was written by decode.
     extend(tokens, n)  commit(n), then append tokens, allocating blocks as they are needed.
     fork()             a new sequence with the same tokens: sealed blocks are shared (one more
                        pin), unsealed ones are copied into fresh blocks by the `copy_block`
@@ -31,6 +33,7 @@ import numpy as np
 
 from kvd.errors import BadArgsError, NoSpaceError
 from kvd.hashing import hash_blocks, root_hash
+from kvd.policies import TIER_DECODE, TIER_PREFILL
 from kvd.pool import BlockPool
 
 
@@ -42,6 +45,7 @@ class SequenceRecord:
     tokens: bytearray  # uint32 little-endian
     block_ids: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # of the sealed prefix blocks
+    num_prompt_tokens: int = 0  # tokens given to open; later ones are decode's
 
     @property
     def num_tokens(self) -> int:
@@ -87,7 +91,7 @@ class PageTable:
             self.pool.release(hit_ids, owner)
             raise NoSpaceError(message)
         record = SequenceRecord(owner, owner, salt, bytearray(tokens), hit_ids + new_ids,
-                                hashes[: len(hit_ids)])
+                                hashes[: len(hit_ids)], num_tokens)
         self.sequences[record.seq_id] = record
         num_cached = len(hit_ids) * self.block_size
         self.counters["opened"] += 1
@@ -112,7 +116,10 @@ class PageTable:
         token_ids = np.frombuffer(record.tokens, dtype="<u4")
         new_hashes = hash_blocks(token_ids[first * self.block_size: last * self.block_size],
                                  self.block_size, parent=parent)
-        self.pool.seal(record.block_ids[first:last], new_hashes, record.owner)
+        parents = [record.hashes[-1] if record.hashes else None, *new_hashes[:-1]]
+        tiers = [TIER_DECODE if (index + 1) * self.block_size > record.num_prompt_tokens
+                 else TIER_PREFILL for index in range(first, last)]
+        self.pool.seal(record.block_ids[first:last], new_hashes, record.owner, parents, tiers)
         record.hashes.extend(new_hashes)
         return last - first
 
@@ -140,7 +147,7 @@ class PageTable:
         for src, dst in zip(private_src, copies):
             self._copy_block(src, dst)
         child = SequenceRecord(owner, owner, record.salt, bytearray(record.tokens),
-                               shared + copies, list(record.hashes))
+                               shared + copies, list(record.hashes), record.num_prompt_tokens)
         self.sequences[child.seq_id] = child
         return child
 

@@ -23,7 +23,26 @@ block until it holds content:
   * `_index`  dict hash → block id: at most one block per hash (invariant 4);
   * `_held`   dict owner → {block id: pins}; an OWNED block is held once by its owner;
   * `generations` uint64 per block (in the shared segment when a daemon runs): bumped every time a
-    block goes back to FREE, so a reader holding a stale id can tell it was reused (invariant 5).
+    block goes back to FREE, so a reader holding a stale id can tell it was reused (invariant 5);
+  * `_tier`   bytearray: who wrote each sealed block (TIER_PREFILL or TIER_DECODE), for the policy;
+  * `_parent`, `_first_child`, `_next_sibling`, `_prev_sibling`, `_is_orphan`: the prefix tree.
+
+Prefix tree (strict prefix awareness): a block sealed with its parent's key (the page table always
+gives it; raw seals may) is linked under the block that holds that key, in child lists threaded
+through four int32 arrays (no Python object per block; link and unlink are O(1)). Then:
+  * a policy victim with cached descendants takes them along: the pool walks the victim's subtree
+    and evicts its cached blocks tail first (children before parents, `policy.discard` for each),
+    because a child without its parent is unreachable. A pinned descendant stays for its holder
+    but is cut off (marked orphan) and freed, not cached, on its last release;
+  * a block sealed under a parent key that is no longer indexed, or held by an orphan, is an
+    orphan from the start.
+So no cached block is ever reachable only through an evicted parent (no stranded middles), and a
+parent is never evicted before its cached children. Cost: each block is linked once and unlinked
+once per residency, and an eviction visits the blocks it frees plus any pinned ones below them,
+so every operation is O(1) amortised per freed block. (Pinned blocks under a cached parent only
+arise from raw pins of a chain's middle: a sequence pins its whole chain from the head.) Evicting a subtree may free more blocks than an allocation asked for;
+they were unreachable, so nothing of value is lost. Recovered blocks (`restore`) have no links:
+the journal does not record parents.
 
 The policy sees only CACHED keys (see kvd/policies/base.py); `_num_cached == len(policy)`.
 
@@ -45,9 +64,10 @@ from typing import Protocol
 import numpy as np
 
 from kvd.errors import BadArgsError, InUseError, InternalError, NotFoundError
-from kvd.policies import EvictionPolicy, make_policy
+from kvd.policies import TIER_NAMES, EvictionPolicy, make_policy
 
 FREE, OWNED, SEALED, CACHED = 0, 1, 2, 3
+NO_BLOCK = -1  # an empty link in the prefix tree
 STATE_NAMES = ("free", "owned", "sealed", "cached")
 
 
@@ -100,6 +120,12 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._free = array("q", range(num_blocks - 1, -1, -1))  # block 0 allocated first
         self._hashes: list[Hashable | None] = [None] * num_blocks
+        self._tier = bytearray(num_blocks)
+        self._parent = array("i", [NO_BLOCK]) * num_blocks
+        self._first_child = array("i", [NO_BLOCK]) * num_blocks
+        self._next_sibling = array("i", [NO_BLOCK]) * num_blocks
+        self._prev_sibling = array("i", [NO_BLOCK]) * num_blocks
+        self._is_orphan = bytearray(num_blocks)
         self._index: dict[Hashable, int] = {}
         self._held: dict[int, dict[int, int]] = {}
         self._num_owned = 0
@@ -185,33 +211,97 @@ class BlockPool:
 
     def _evict_one(self) -> None:
         key = self.policy.victim()
-        block_id = self._index.pop(key, None) if key is not None else None
+        block_id = self._index.get(key) if key is not None else None
         if block_id is None or self._state[block_id] != CACHED:
             raise InternalError(
                 f"policy {self.policy.name!r} chose victim {key!r} that is not a cached block "
                 f"(block {block_id}): bug in the policy or in the pool's event calls")
+        self._evict_subtree(block_id)
+
+    def _evict_subtree(self, root: int) -> None:
+        """Evict `root` (no longer in the policy) and its cached descendants, children first.
+
+        Pinned descendants stay (their holders read them) but become orphans, freed on their
+        last release; `_evict` cuts them off from their evicted parents.
+        """
+        visit = [root]
+        first_child, next_sibling, state = self._first_child, self._next_sibling, self._state
+        for block_id in visit:  # grows while it is walked: every parent before its children
+            child = first_child[block_id]
+            while child != NO_BLOCK:
+                visit.append(child)
+                child = next_sibling[child]
+        for block_id in reversed(visit):
+            if block_id == root:
+                self._evict(block_id)
+            elif state[block_id] == CACHED:
+                self.policy.discard(self._hashes[block_id])
+                self._evict(block_id)
+            else:
+                self._is_orphan[block_id] = 1
+
+    def _evict(self, block_id: int) -> None:
+        """Drop an indexed block that no policy tracks any more: unindex, unlink, free."""
+        child = self._first_child[block_id]
+        while child != NO_BLOCK:  # only pinned orphans are left: cut them off
+            following = self._next_sibling[child]
+            self._unlink(child)
+            child = following
+        self._unlink(block_id)
+        del self._index[self._hashes[block_id]]
         self._hashes[block_id] = None
         if self.observer is not None:
             self.observer.evicted(block_id)
         self._to_free(block_id)
         self.counters["evictions"] += 1
 
+    # ---- prefix tree -----------------------------------------------------------------------
+    def _link(self, parent: int, child: int) -> None:
+        first = self._first_child[parent]
+        self._parent[child] = parent
+        self._next_sibling[child] = first
+        if first != NO_BLOCK:
+            self._prev_sibling[first] = child
+        self._first_child[parent] = child
+
+    def _unlink(self, child: int) -> None:
+        parent = self._parent[child]
+        if parent == NO_BLOCK:
+            return
+        before, after = self._prev_sibling[child], self._next_sibling[child]
+        if before == NO_BLOCK:
+            self._first_child[parent] = after
+        else:
+            self._next_sibling[before] = after
+        if after != NO_BLOCK:
+            self._prev_sibling[after] = before
+        self._parent[child] = self._prev_sibling[child] = self._next_sibling[child] = NO_BLOCK
+
     def _to_free(self, block_id: int) -> None:
         self._state[block_id] = FREE
+        self._tier[block_id] = 0
+        self._is_orphan[block_id] = 0
         self._refs[block_id] = 0
         self.generations[block_id] += 1
         self._free.append(block_id)
 
     # ---- sealing, lookup, pinning -------------------------------------------------------
-    def seal(self, block_ids: Sequence[int], keys: Sequence[Hashable], owner: int) -> list[bool]:
+    def seal(self, block_ids: Sequence[int], keys: Sequence[Hashable], owner: int,
+             parents: Sequence[Hashable | None] | None = None,
+             tiers: Sequence[int] | None = None) -> list[bool]:
         """Publish `owner`'s OWNED blocks under content keys; they become read-only, still pinned.
+
+        Args:
+            parents: per block, the key of the block before it in its chain (None for a chain's
+                head); links it into the prefix tree (module docstring). Earlier blocks of the
+                same call may be parents of later ones.
+            tiers: per block, TIER_PREFILL (default) or TIER_DECODE, for a tiered policy.
 
         Returns, per block, whether it now holds its key in the index (False: another block
         already did, this one stays a private read-only duplicate).
         Raises (changing nothing): BadArgsError, NotFoundError (not held), InUseError (not OWNED).
         """
-        if len(block_ids) != len(keys):
-            raise BadArgsError(f"seal got {len(block_ids)} block ids but {len(keys)} hashes")
+        self._check_seal_hints(len(block_ids), keys, parents, tiers)
         held = self._held.get(owner, {})
         for block_id in block_ids:
             self._checked_id(block_id)
@@ -225,11 +315,15 @@ class BlockPool:
         for key in keys:
             _check_key(key)
         indexed = []
-        for block_id, key in zip(block_ids, keys):
+        for position, (block_id, key) in enumerate(zip(block_ids, keys)):
             self._state[block_id] = SEALED
             self._hashes[block_id] = key
+            if tiers is not None:
+                self._tier[block_id] = tiers[position]
             is_new = key not in self._index
             if is_new:
+                if parents is not None and parents[position] is not None:
+                    self._adopt(block_id, parents[position])
                 self._index[key] = block_id
                 if self.observer is not None:
                     self.observer.sealed(block_id, key)
@@ -238,6 +332,32 @@ class BlockPool:
         self._num_sealed += len(block_ids)
         self.counters["seals"] += len(block_ids)
         return indexed
+
+    def _check_seal_hints(self, num_blocks: int, keys: Sequence[Hashable],
+                          parents: Sequence[Hashable | None] | None,
+                          tiers: Sequence[int] | None) -> None:
+        if len(keys) != num_blocks:
+            raise BadArgsError(f"seal got {num_blocks} block ids but {len(keys)} hashes")
+        if parents is not None:
+            if len(parents) != num_blocks:
+                raise BadArgsError(f"seal got {num_blocks} block ids but {len(parents)} parents")
+            for parent in parents:
+                if parent is not None:
+                    _check_key(parent)
+        if tiers is not None and (len(tiers) != num_blocks or any(
+                not isinstance(tier, int) or not 0 <= tier < len(TIER_NAMES) for tier in tiers)):
+            raise BadArgsError(f"seal needs one tier per block, each 0 (prefill) or 1 (decode); "
+                               f"got {list(tiers)!r}")
+
+    def _adopt(self, block_id: int, parent_key: Hashable) -> None:
+        """Link a newly indexed block under the block holding `parent_key`; orphan it if that
+        block is gone or itself an orphan (its prefix is gone: unreachable once released)."""
+        parent = self._index.get(parent_key)
+        if parent is None:
+            self._is_orphan[block_id] = 1
+            return
+        self._link(parent, block_id)
+        self._is_orphan[block_id] = self._is_orphan[parent]
 
     def lookup(self, keys: Iterable[Hashable], owner: int) -> list[int]:
         """Pin for `owner` the blocks of the longest prefix of `keys` that is cached."""
@@ -335,12 +455,15 @@ class BlockPool:
             return
         self._num_sealed -= 1
         key = self._hashes[block_id]
-        if self._index.get(key) == block_id:
-            self._state[block_id] = CACHED
-            self.policy.inserted(key)
-        else:  # a duplicate: nobody can look it up, so keeping it would only waste a block
+        if self._index.get(key) != block_id:
+            # A duplicate: nobody can look it up, so keeping it would only waste a block.
             self._hashes[block_id] = None
             self._to_free(block_id)
+        elif self._is_orphan[block_id]:
+            self._evict_subtree(block_id)  # unreachable: caching it would only waste blocks
+        else:
+            self._state[block_id] = CACHED
+            self.policy.inserted(key, self._tier[block_id])
 
     # ---- recovery --------------------------------------------------------------------------
     def restore(self, block_ids: Sequence[int], keys: Sequence[Hashable]) -> None:
@@ -400,6 +523,33 @@ class BlockPool:
         for key, block_id in self._index.items():
             if self._hashes[block_id] != key or self._state[block_id] not in (SEALED, CACHED):
                 raise InternalError(f"index maps {key!r} to block {block_id} which does not hold it")
+        self._check_tree()
+
+    def _is_indexed(self, block_id: int) -> bool:
+        key = self._hashes[block_id]
+        return key is not None and self._index.get(key) == block_id
+
+    def _check_tree(self) -> None:
+        """Prefix-tree links are consistent; no orphan is cached; every linked block's parent is
+        indexed (so no cached block is reachable only through an evicted parent)."""
+        num_linked = 0
+        for parent in range(self.num_blocks):
+            child, before = self._first_child[parent], NO_BLOCK
+            while child != NO_BLOCK:
+                num_linked += 1
+                if self._parent[child] != parent or self._prev_sibling[child] != before \
+                        or not self._is_indexed(parent) or not self._is_indexed(child) \
+                        or self._is_orphan[child] != self._is_orphan[parent] \
+                        or num_linked > self.num_blocks:
+                    raise InternalError(f"prefix tree: block {child} under block {parent} is "
+                                        "mislinked, unindexed or orphaned: a pool bug")
+                child, before = self._next_sibling[child], child
+        if num_linked != sum(parent != NO_BLOCK for parent in self._parent):
+            raise InternalError("prefix tree: a block names a parent whose child list lacks it")
+        for block_id in range(self.num_blocks):
+            if self._is_orphan[block_id] and self._state[block_id] != SEALED:
+                raise InternalError(f"orphan block {block_id} is {self.state(block_id)}: an "
+                                    "unreachable block must be freed on its last release")
 
     def _check_block(self, block_id: int, pins: int) -> None:
         state, refs, key = self._state[block_id], self._refs[block_id], self._hashes[block_id]

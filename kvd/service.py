@@ -33,6 +33,7 @@ from kvd.geometry import Geometry
 from kvd.hashing import HASH_VERSION
 from kvd.metrics import OpStats
 from kvd.page_table import PageTable, SequenceRecord
+from kvd.policies import TIER_NAMES, TieredPolicy
 from kvd.pool import BlockPool
 from kvd.protocol import (
     PROTOCOL_VERSION, arg_bool, arg_bytes, arg_bytes_list, arg_int, arg_int_list, check_no_extra,
@@ -196,7 +197,15 @@ class Service:
             "geometry": self.geometry.to_dict(), "daemon_pid": os.getpid(),
             "requests": self.ops.requests(), "errors": dict(self.ops.errors),
             "journal": "failed" if self.write_error else self.journal_state,
+            **self._tier_stats(),
         }
+
+    def _tier_stats(self) -> dict[str, Any]:
+        policy = self.pool.policy
+        if not isinstance(policy, TieredPolicy):
+            return {}
+        return {"tiers": policy.describe(),
+                "tier_blocks": dict(zip(TIER_NAMES, policy.num_resident))}
 
     def _check_invariants(self, session: Session, args: dict[str, Any]) -> list[list[int]]:
         """Debug op: raise InternalError if an invariant fails, else `[session_id, pid, pins]`

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from kvd.policies.base import EvictionPolicy
+from kvd.policies.base import TIER_PREFILL, EvictionPolicy
 
 
 class ARCPolicy(EvictionPolicy):
@@ -41,7 +41,7 @@ class ARCPolicy(EvictionPolicy):
         self._pinned: dict[Hashable, bool] = {}  # cached, not evictable → is frequent
         self.target_t1 = 0.0  # ARC's p
 
-    def inserted(self, key: Hashable) -> None:
+    def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
         is_frequent = self._pinned.pop(key, None)
         if is_frequent is None:
             is_frequent = self._adapt(key)
@@ -77,6 +77,9 @@ class ARCPolicy(EvictionPolicy):
         else:
             del self._t2[key]
             self._pinned[key] = True
+
+    def discard(self, key: Hashable) -> None:
+        del (self._t1 if key in self._t1 else self._t2)[key]
 
     def victim(self) -> Hashable | None:
         if self._t1 and (len(self._t1) > self.target_t1 or not self._t2):

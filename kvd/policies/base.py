@@ -2,25 +2,32 @@
 
 Theory of operation
 -------------------
-A policy never touches memory, the free list or ref counts. The pool tells it four things about
+A policy never touches memory, the free list or ref counts. The pool tells it five things about
 *keys* (content hashes in the daemon, `(layer, position)` keys in the embedded cache, trace ids in
 `kvd replay`):
 
-    inserted(key)   the key became evictable (sealed and ref count 0, i.e. CACHED)
-    accessed(key)   the key was hit; it may be evictable or pinned right now
-    removed(key)    the key stopped being evictable (pinned again) but is still cached
-    victim()        choose an evictable key, stop tracking it and return it (None if none)
+    inserted(key, tier)  the key became evictable (sealed and ref count 0, i.e. CACHED); `tier`
+                         says whether prefill (0) or decode (1) wrote it — only TieredPolicy
+                         (kvd/policies/tiered.py) looks at it
+    accessed(key)        the key was hit; it may be evictable or pinned right now
+    removed(key)         the key stopped being evictable (pinned again) but is still cached
+    victim()             choose an evictable key, stop tracking it and return it (None if none)
+    discard(key)         the pool evicted an evictable key the policy did not choose (it became
+                         unreachable when its prefix parent was the victim): forget it, and
+                         leave no ghost — the policy's judgement was not involved
 
 Keys are content, not block ids, so a policy that remembers evicted keys (ARC's ghost lists,
 S3-FIFO's ghost queue) recognises a block's content when it comes back in another block.
 
-A key's life:  inserted → (accessed | removed → accessed* → inserted)* → victim.
+A key's life:  inserted → (accessed | removed → accessed* → inserted)* → (victim | discard).
 Every event and every victim must cost O(1) (amortised): the pool calls them while holding up a
 client's request. Only keys inserted and not since removed may be returned by `victim()`.
 
-Prefix chains: the pool makes a request's blocks evictable tail first (it releases in reverse),
-so a recency-ordered policy evicts a chain's tail before its head — a child without its parent is
-unreachable, a parent without its child is still a useful prefix.
+Prefix chains: a child without its parent is unreachable, a parent without its child is still a
+useful prefix. The pool enforces this itself for blocks sealed with their parent (kvd/pool.py,
+"Prefix tree"): when a policy's victim has cached descendants they are discarded with it, tail
+first. Policies therefore stay pure orderings; the pool also releases a request's blocks tail first,
+so a recency-ordered policy already tends to pick a chain's tail before its head.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from typing import ClassVar
+
+TIER_PREFILL, TIER_DECODE = 0, 1  # who wrote a block: the prompt's prefill or decode
 
 
 class EvictionPolicy(ABC):
@@ -42,8 +51,8 @@ class EvictionPolicy(ABC):
         self.capacity = capacity
 
     @abstractmethod
-    def inserted(self, key: Hashable) -> None:
-        """`key` became evictable."""
+    def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
+        """`key` became evictable; `tier` is TIER_PREFILL or TIER_DECODE."""
 
     @abstractmethod
     def accessed(self, key: Hashable) -> None:
@@ -56,6 +65,10 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def victim(self) -> Hashable | None:
         """Remove and return the key to evict, or None when nothing is evictable."""
+
+    @abstractmethod
+    def discard(self, key: Hashable) -> None:
+        """Stop tracking the evictable `key`: the pool evicted it without asking (no ghost)."""
 
     @abstractmethod
     def __len__(self) -> int:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from kvd.policies.base import EvictionPolicy
+from kvd.policies.base import TIER_PREFILL, EvictionPolicy
 
 MAX_FREQUENCY = 64
 
@@ -62,7 +62,7 @@ class LFUPolicy(EvictionPolicy):
         if not bucket:
             del self._buckets[priority]
 
-    def inserted(self, key: Hashable) -> None:
+    def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
         self._frequency.setdefault(key, 1)
         self._enqueue(key)
 
@@ -77,6 +77,10 @@ class LFUPolicy(EvictionPolicy):
 
     def removed(self, key: Hashable) -> None:
         self._dequeue(key)
+
+    def discard(self, key: Hashable) -> None:
+        self._dequeue(key)
+        del self._frequency[key]
 
     def victim(self) -> Hashable | None:
         if not self._priority:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from kvd.policies.base import EvictionPolicy
+from kvd.policies.base import TIER_PREFILL, EvictionPolicy
 
 
 class LRUPolicy(EvictionPolicy):
@@ -22,7 +22,7 @@ class LRUPolicy(EvictionPolicy):
         super().__init__(capacity)
         self._order: OrderedDict[Hashable, None] = OrderedDict()
 
-    def inserted(self, key: Hashable) -> None:
+    def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
         self._order[key] = None
 
     def accessed(self, key: Hashable) -> None:
@@ -30,6 +30,9 @@ class LRUPolicy(EvictionPolicy):
             self._order.move_to_end(key)
 
     def removed(self, key: Hashable) -> None:
+        del self._order[key]
+
+    def discard(self, key: Hashable) -> None:
         del self._order[key]
 
     def victim(self) -> Hashable | None:

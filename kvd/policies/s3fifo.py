@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from kvd.policies.base import EvictionPolicy
+from kvd.policies.base import TIER_PREFILL, EvictionPolicy
 
 SMALL_SHARE = 0.1  # the paper's default share of S; its sensitivity study finds 5-20% flat
 MAX_FREQUENCY = 3  # two bits, as in the paper
@@ -50,7 +50,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._frequency: dict[Hashable, int] = {}  # every cached key, evictable or pinned
         self._pinned: dict[Hashable, bool] = {}  # cached, not evictable → is in main
 
-    def inserted(self, key: Hashable) -> None:
+    def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
         is_main = self._pinned.pop(key, None)
         if is_main is None:
             self._frequency[key] = 0
@@ -76,6 +76,10 @@ class S3FIFOPolicy(EvictionPolicy):
         else:
             del self._main[key]
             self._pinned[key] = True
+
+    def discard(self, key: Hashable) -> None:
+        del (self._small if key in self._small else self._main)[key]
+        del self._frequency[key]
 
     def victim(self) -> Hashable | None:
         while self._small and (len(self._small) >= self.small_target or not self._main):

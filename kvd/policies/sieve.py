@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from kvd.policies.base import EvictionPolicy
+from kvd.policies.base import TIER_PREFILL, EvictionPolicy
 
 
 class SIEVEPolicy(EvictionPolicy):
@@ -63,7 +63,7 @@ class SIEVEPolicy(EvictionPolicy):
         if self._hand == key:
             self._hand = newer
 
-    def inserted(self, key: Hashable) -> None:
+    def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
         self._visited.setdefault(key, False)
         self._link_at_head(key)
 
@@ -73,6 +73,10 @@ class SIEVEPolicy(EvictionPolicy):
 
     def removed(self, key: Hashable) -> None:
         self._unlink(key)
+
+    def discard(self, key: Hashable) -> None:
+        self._unlink(key)
+        del self._visited[key]
 
     def victim(self) -> Hashable | None:
         if self._tail is None:

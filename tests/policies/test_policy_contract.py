@@ -2,7 +2,8 @@
 
 A pure-Python model tracks which keys are evictable; each policy is driven with random event
 sequences that respect the lifecycle `inserted → (accessed | removed → accessed* → inserted)* →
-victim`, and every answer is checked against the model.
+(victim | discard)`, and every answer is checked against the model. The tiered composite
+(kvd/policies/tiered.py) runs the same suite with keys spread over both tiers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,17 @@ from kvd.errors import BadArgsError
 from kvd.policies import DEFAULT_POLICY, POLICIES, EvictionPolicy, make_policy
 
 NAMES = sorted(POLICIES)
+TIERS = "prefill=0.6,decode=0.4"
+
+
+def build(name: str, capacity: int) -> EvictionPolicy:
+    """`name`, or `tiered:NAME` for NAME inside both tiers of a TieredPolicy."""
+    if name.startswith("tiered:"):
+        return make_policy(name.split(":", 1)[1], capacity, tiers=TIERS)
+    return make_policy(name, capacity)
+
+
+ALL = NAMES + [f"tiered:{name}" for name in ("lru", DEFAULT_POLICY)]
 
 
 def drive(policy: EvictionPolicy, seed: int, num_steps: int = 3000) -> None:
@@ -30,7 +42,7 @@ def drive(policy: EvictionPolicy, seed: int, num_steps: int = 3000) -> None:
             key = rng.choice(sorted(evicted)) if evicted and rng.random() < 0.3 else next_key
             next_key += key == next_key
             evicted.discard(key)
-            policy.inserted(key)
+            policy.inserted(key, key % 2)
             evictable.add(key)
         elif op < 0.55:
             policy.accessed(rng.choice(sorted(evictable | pinned)))
@@ -41,9 +53,14 @@ def drive(policy: EvictionPolicy, seed: int, num_steps: int = 3000) -> None:
             pinned.add(key)
         elif op < 0.75 and pinned:
             key = rng.choice(sorted(pinned))
-            policy.inserted(key)
+            policy.inserted(key, key % 2)
             pinned.remove(key)
             evictable.add(key)
+        elif op < 0.8 and evictable:
+            key = rng.choice(sorted(evictable))
+            policy.discard(key)
+            evictable.remove(key)
+            evicted.add(key)
         else:
             key = policy.victim()
             if not evictable:
@@ -57,21 +74,21 @@ def drive(policy: EvictionPolicy, seed: int, num_steps: int = 3000) -> None:
         assert not any(key in policy for key in pinned | evicted)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("seed", range(4))
 def test_random_lifecycle_respects_contract(name: str, seed: int) -> None:
-    drive(make_policy(name, capacity=16), seed)
+    drive(build(name, capacity=16), seed)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ALL)
 def test_empty_policy_has_no_victim(name: str) -> None:
-    policy = make_policy(name, capacity=4)
+    policy = build(name, capacity=4)
     assert policy.victim() is None and len(policy) == 0 and 1 not in policy
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ALL)
 def test_drains_every_key_exactly_once(name: str) -> None:
-    policy = make_policy(name, capacity=8)
+    policy = build(name, capacity=8)
     for key in range(20):
         policy.inserted(key)
         if key % 3 == 0:
@@ -81,9 +98,9 @@ def test_drains_every_key_exactly_once(name: str) -> None:
     assert policy.victim() is None
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ALL)
 def test_pinned_key_is_never_a_victim(name: str) -> None:
-    policy = make_policy(name, capacity=4)
+    policy = build(name, capacity=4)
     for key in range(6):
         policy.inserted(key)
     policy.removed(0)
@@ -94,10 +111,10 @@ def test_pinned_key_is_never_a_victim(name: str) -> None:
     assert policy.victim() == 0
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ALL)
 def test_untouched_old_key_goes_before_a_hot_one(name: str) -> None:
     """Eviction order sanity: with one key hit repeatedly, the cold ones go first."""
-    policy = make_policy(name, capacity=4)
+    policy = build(name, capacity=4)
     for key in range(4):
         policy.inserted(key)
     for _ in range(3):

@@ -12,7 +12,11 @@ modes:
     allocated (evicting as the policy says) and sealed; at the end of the request everything is
     released, and the pool makes the blocks evictable tail first. A request's own blocks are
     pinned while it runs, so it never evicts itself. When a request needs more blocks than the
-    pool can give, its tail is simply not cached.
+    pool can give, its tail is simply not cached. Blocks are sealed with their parent's key, as
+    the page table does, so the pool's prefix tree is on (`prefix_tree=False` measures without).
+    With `decode`, each request also writes the full blocks its output fills, as decode-tier
+    blocks under the keys kvd/traces.py `decode_blocks` gives them (a follow-up turn's keys where
+    one exists), before it releases; `tiers` runs the policy as a TieredPolicy.
 
 ``anchor`` is the reference semantics of ../shared/traces/SOURCES.md: each block reference alone,
     head first; hit → `accessed`; miss → `victim()` if full, then `inserted`. Nothing is pinned,
@@ -43,9 +47,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from kvd.errors import BadArgsError
-from kvd.policies import DEFAULT_POLICY, POLICIES, make_policy
+from kvd.policies import DEFAULT_POLICY, POLICIES, TIER_DECODE, make_policy, parse_tiers
 from kvd.pool import BlockPool
-from kvd.traces import TRACE_BLOCK_TOKENS, Request, load_trace
+from kvd.traces import TRACE_BLOCK_TOKENS, Request, decode_blocks, load_trace
 
 MODES = ("pool", "anchor")
 DEFAULT_CAPACITIES = (1000, 2000, 5000, 10000, 20000, 50000)
@@ -108,49 +112,76 @@ def replay_anchor(trace: Sequence[Request], policy_name: str, capacity: int) -> 
     return counts
 
 
-def replay_pool(trace: Sequence[Request], policy_name: str, capacity: int) -> Counts:
-    """Drive a BlockPool as an engine drives the daemon (see the module docstring)."""
-    pool = BlockPool(capacity, make_policy(policy_name, capacity))
+def replay_pool(trace: Sequence[Request], policy_name: str, capacity: int, *,
+                tiers: str | None = None, decode: Sequence[Sequence[int]] | None = None,
+                prefix_tree: bool = True) -> Counts:
+    """Drive a BlockPool as an engine drives the daemon (see the module docstring).
+
+    Args:
+        tiers: a `--tiers` text: run the policy as a prefill/decode TieredPolicy.
+        decode: per request, the keys of the blocks its decode writes (`decode_blocks(trace)`).
+        prefix_tree: seal with parents (the pool's strict prefix awareness), as the daemon does.
+    """
+    pool = BlockPool(capacity, make_policy(policy_name, capacity, tiers=tiers))
     counts = Counts()
-    for request in trace:
-        block_ids = pool.lookup(request.hash_ids, _OWNER)
+    for number, request in enumerate(trace):
+        keys = request.hash_ids
+        block_ids = pool.lookup(keys, _OWNER)
         num_prefix = len(block_ids)
-        num_hits = num_prefix + _pin_later_hits(pool, request.hash_ids[num_prefix:], block_ids)
+        num_hits = num_prefix + _pin_later_hits(pool, keys, num_prefix, block_ids, prefix_tree)
+        if decode is not None and decode[number]:
+            parent = keys[request.input_length // TRACE_BLOCK_TOKENS - 1] \
+                if request.input_length >= TRACE_BLOCK_TOKENS else None
+            _write(pool, decode[number], [parent, *decode[number][:-1]], block_ids,
+                   prefix_tree, TIER_DECODE)
         pool.release(block_ids, _OWNER)
         counts.add_request(request, num_prefix, num_hits)
     return counts
 
 
-def _pin_later_hits(pool: BlockPool, keys: Sequence[int], block_ids: list[int]) -> int:
+def _pin_later_hits(pool: BlockPool, keys: Sequence[int], num_prefix: int, block_ids: list[int],
+                    prefix_tree: bool) -> int:
     """Pin cached keys after the prefix, allocate and seal the missing ones; return the hits.
 
     Appends to `block_ids` in chain order so that releasing them makes the tail evictable first.
     """
     num_hits = 0
     missing: list[int] = []
-    for key in keys:
-        block_id = pool.touch(key)
+    parents: list[int | None] = []
+    for position in range(num_prefix, len(keys)):
+        block_id = pool.touch(keys[position])
         if block_id is None:
-            missing.append(key)
+            missing.append(keys[position])
+            parents.append(keys[position - 1] if position else None)
             continue
         pool.pin([block_id], _OWNER)
         block_ids.append(block_id)
         num_hits += 1
-    missing = missing[:pool.num_available]
-    new_ids = pool.allocate(len(missing), _OWNER) or []
-    pool.seal(new_ids, missing, _OWNER)
-    block_ids.extend(new_ids)
+    _write(pool, missing, parents, block_ids, prefix_tree)
     return num_hits
 
 
-REPLAYS: dict[str, Callable[[Sequence[Request], str, int], Counts]] = {
-    "pool": replay_pool, "anchor": replay_anchor}
+def _write(pool: BlockPool, keys: Sequence[int], parents: Sequence[int | None],
+           block_ids: list[int], prefix_tree: bool, tier: int = 0) -> None:
+    """Allocate and seal as many of `keys` (head first) as the pool can hold."""
+    num_blocks = min(len(keys), pool.num_available)
+    new_ids = pool.allocate(num_blocks, _OWNER) or []
+    pool.seal(new_ids, keys[:num_blocks], _OWNER, parents[:num_blocks] if prefix_tree else None,
+              [tier] * num_blocks)
+    block_ids.extend(new_ids)
+
+
 
 
 # ---- Belady's OPT ------------------------------------------------------------------------------
-def reference_stream(trace: Iterable[Request]) -> list[int]:
-    """Every block reference of the trace, in order."""
-    return [key for request in trace for key in request.hash_ids]
+def reference_stream(trace: Iterable[Request],
+                     decode: Sequence[Sequence[int]] | None = None) -> list[int]:
+    """Every block reference of the trace, in order; with `decode`, each request's decode writes
+    follow its prompt (each is written once, so they are misses and add no hits to OPT)."""
+    if decode is None:
+        return [key for request in trace for key in request.hash_ids]
+    return [key for request, written in zip(trace, decode)
+            for key in (*request.hash_ids, *written)]
 
 
 def next_uses(refs: Sequence[int]) -> list[int]:
@@ -187,21 +218,35 @@ def belady_hits(refs: Sequence[int], capacity: int) -> int:
 # ---- rows, output, CLI -----------------------------------------------------------------------
 def replay_rows(trace: Sequence[Request], policy_names: Sequence[str],
                 capacities: Sequence[int], mode: str = "pool",
-                progress: Callable[[str], None] | None = None) -> list[Row]:
-    """Replay every (policy, capacity) and Belady's OPT; one Row each."""
-    refs = reference_stream(trace)
-    num_refs = max(1, len(refs))
+                progress: Callable[[str], None] | None = None, *, tiers: str | None = None,
+                decode: bool = False, prefix_tree: bool = True) -> list[Row]:
+    """Replay every (policy, capacity) and Belady's OPT; one Row each.
+
+    `tiers`, `decode` and `prefix_tree` are replay_pool's (pool mode only); with `decode` the
+    ratios still count prompt references only, and the Row's mode reads `pool+decode`.
+    """
+    if mode == "anchor" and (tiers or decode or not prefix_tree):
+        raise BadArgsError("--tiers and --decode need --mode pool (anchor is the reference "
+                           "semantics: prompt blocks only, no pool)")
+    written = decode_blocks(trace) if decode else None
+    num_refs = max(1, sum(len(request.hash_ids) for request in trace))
+    refs = reference_stream(trace, written)
     rows = []
     for capacity in capacities:
         opt_ratio = belady_hits(refs, capacity) / num_refs
         for name in policy_names:
             if progress:
                 progress(f"{name} @ {capacity} blocks")
-            counts = REPLAYS[mode](trace, name, capacity)
+            if mode == "anchor":
+                counts = replay_anchor(trace, name, capacity)
+            else:
+                counts = replay_pool(trace, name, capacity, tiers=tiers, decode=written,
+                                     prefix_tree=prefix_tree)
             prefix_ratio = counts.num_prefix_hits / num_refs
             rows.append(Row(name, capacity, prefix_ratio, counts.num_hits / num_refs,
                             counts.num_prefix_tokens / max(1, counts.num_tokens), opt_ratio,
-                            prefix_ratio / opt_ratio if opt_ratio else 0.0, mode))
+                            prefix_ratio / opt_ratio if opt_ratio else 0.0,
+                            mode + "+decode" if decode else mode))
     return rows
 
 
@@ -277,6 +322,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default="pool",
                         help="pool: drive kvd's BlockPool (default); anchor: the reference "
                              "semantics of ../shared/traces/SOURCES.md")
+    parser.add_argument("--decode", action="store_true",
+                        help="pool mode: also write each request's decode blocks (a follow-up "
+                             "turn may reuse them; kvd/traces.py decode_blocks)")
+    parser.add_argument("--tiers", metavar="prefill=S,decode=S",
+                        help="pool mode: split the pool into prefill and decode tiers with these "
+                             "shares (e.g. prefill=0.7,decode=0.3; add :POLICY to a tier)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
     parser.add_argument("--plot", metavar="OUT.png", help="draw hit ratio vs capacity")
 
@@ -293,7 +344,10 @@ def run(args: argparse.Namespace) -> int:
         if sys.stderr.isatty() or total > 1:
             print(f"\r[{done[0]:>3}/{total}] {what:<40}", end="", file=sys.stderr, flush=True)
 
-    rows = replay_rows(trace, names, capacities, args.mode, progress)
+    if args.tiers:
+        parse_tiers(args.tiers)  # fail before the replay starts
+    rows = replay_rows(trace, names, capacities, args.mode, progress, tiers=args.tiers,
+                       decode=args.decode)
     print("\r" + " " * 50 + "\r", end="", file=sys.stderr, flush=True)
     print(json.dumps([asdict(row) for row in rows], indent=1) if args.json else format_table(rows))
     if args.plot:

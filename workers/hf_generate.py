@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import time
 from dataclasses import asdict, dataclass
 
@@ -52,8 +53,12 @@ def build_model(layers: int, kv_heads: int, head_dim: int, dtype: str) -> LlamaF
 
 
 def request_prompt(args: argparse.Namespace, request_index: int) -> list[int]:
-    """Request `request_index`'s tokens: a shared system prompt, then its own user message."""
-    system = request_index % args.system_prompts
+    """Request `request_index`'s tokens: a shared system prompt, then its own user message.
+
+    The system prompt is drawn per request (seeded by its index), not by `index % K`, which
+    would give each of K workers its own system prompt and nothing to share across processes.
+    """
+    system = random.Random(request_index).randrange(args.system_prompts)
     system_ids = torch.randint(0, VOCAB_SIZE, (args.system_tokens,),
                                generator=torch.Generator().manual_seed(PROMPT_SEED + system))
     user_ids = torch.randint(0, VOCAB_SIZE, (args.user_tokens,),

@@ -76,8 +76,10 @@ def _assert_matches(dtype: str, run: dict, reference: dict) -> None:
                                err_msg=dtype)
 
 
-def test_processes_share_prefix_blocks_and_match_dynamic_cache(daemon_factory, tmp_path):
+def test_processes_share_prefix_blocks_and_match_dynamic_cache(daemon_factory, tmp_path,
+                                                               monkeypatch):
     """float32, float16 and bfloat16 pools, one daemon each; A and B serve all three."""
+    monkeypatch.setenv("KVD_DEBUG", "1")  # the daemons get the check_invariants op
     dtypes = ("float32", "float16", "bfloat16")
     daemons = {dtype: daemon_factory(**_pool_options(dtype)) for dtype in dtypes}
     names = {dtype: daemon.name for dtype, daemon in daemons.items()}
@@ -112,6 +114,8 @@ def _check_runs(dtype: str, a: dict, b: dict) -> None:
 def _check_pool_after(dtype: str, daemon) -> None:
     with daemon.connect() as client:
         stats = client.stats()
+        sessions = client._call("check_invariants", {})  # raises InternalError if one fails
+    assert [pins for _, _, pins in sessions] == [0], f"{dtype}: only this idle session is live"
     assert stats["free"] + stats["owned"] + stats["sealed"] + stats["cached"] == NUM_BLOCKS
     assert stats["owned"] == stats["sealed"] == stats["sequences"] == 0, (
         f"{dtype}: pins remain: {stats}")
@@ -128,13 +132,15 @@ def float32_pool(daemon_factory):
         yield client
 
 
-def test_generate_with_kvd_reuses_its_own_blocks_in_process(float32_pool):
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_plain_generate_on_a_kvd_cache_then_reuse_in_process(float32_pool):
     model = tiny_llama("float32")
     p1, _ = prompts()
-    first = generate_with_kvd(model, float32_pool, p1, **GENERATE)
+    with KvdCache(float32_pool, model, p1) as cache:  # the issue's form, past_key_values=
+        first = model.generate(torch.tensor([p1]), past_key_values=cache, **GENERATE)
     again = generate_with_kvd(model, float32_pool, p1, **GENERATE)
-    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 48)
-    assert torch.equal(first.output.sequences, again.output.sequences)
+    assert (cache.num_cached_tokens, again.num_cached_tokens) == (0, 48)
+    assert torch.equal(first.sequences, again.output.sequences)
 
 
 def test_model_that_does_not_fit_the_pool_is_refused_before_allocating(float32_pool):

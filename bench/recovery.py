@@ -1,0 +1,336 @@
+"""Bench: crash recovery of a 1M-block pool, and what the journal costs a seal.
+
+Goals (issue 6, item 6): `kvd start --recover` of a 1,000,000-block pool in <= 2 s, and the
+journal costs <= 20 % of seal throughput at batch 16.
+
+Recovery. A child process runs a real `Daemon` in-process, seals every block of the pool under a
+fresh 16-byte key (in a random block order, committing the journal every 65,536 seals, as the
+daemon's group commit would) and then SIGKILLs itself: the segment and an un-checkpointed WAL
+journal are left exactly as a crash leaves them. Each repeat then recovers in a fresh child:
+  * end-to-end: `Daemon(recover=True).start()` — flock, journal open, stamp check, journal
+    load, pool build, restore, generation bump, socket bind — what a restart costs after Python
+    is up; the first repeat reads the crash-left WAL, later ones a checkpointed journal;
+  * the same steps timed one by one (journal load, pool build, pool restore, generation bump);
+  * `cli ready`: `kvd start --recover` from exec to the first successful connect (interpreter
+    start and imports included).
+Geometry: 1 layer, 1 KV head, head_dim 8, block_size 1, float16 — 32-byte blocks, so the segment
+is 32 MiB and only metadata is measured.
+
+Seal throughput. Two real daemons side by side, one journaled and one `--no-journal`; one client
+runs alloc → seal → release rounds on each in turn (interleaved, so machine noise hits both), at
+batch 1, 16 and 256. Reported: blocks sealed per second of seal calls (the round trip the client
+waits for, commit included), median over rounds. With one client every seal is its own group
+commit: the worst case for the journal.
+
+    python -m bench.recovery [--num-blocks 1000000] [--repeats 3] [--seconds 1.0] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GEOMETRY = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "block_size": 1,
+            "dtype": "float16"}
+CLI_GEOMETRY = ["--layers", "1", "--kv-heads", "1", "--head-dim", "8", "--block-size", "1",
+                "--dtype", "float16"]
+BATCH_SIZES = (1, 16, 256)
+COMMIT_EVERY = 65_536
+OWNER = 1
+GOAL_RECOVERY_S = 2.0
+GOAL_JOURNAL_COST = 0.20
+
+
+def progress(message: str) -> None:
+    print(f"[bench.recovery {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def digests(start: int, count: int) -> list[bytes]:
+    """Distinct 16-byte keys, the size kvd.hash_blocks returns."""
+    return [i.to_bytes(16, "little") for i in range(start, start + count)]
+
+
+def _daemon(name: str, num_blocks: int, recover: bool):
+    from kvd.daemon import Daemon
+    from kvd.geometry import Geometry
+    from kvd.runtime import DaemonPaths
+
+    return Daemon(DaemonPaths.for_name(name), Geometry(num_blocks=num_blocks, **GEOMETRY),
+                  recover=recover)
+
+
+# ---- children ------------------------------------------------------------------------------------
+def child_fill(name: str, num_blocks: int) -> None:
+    """Seal the whole pool through the daemon's pool and journal, then die like a crash."""
+    started = time.perf_counter()
+    daemon = _daemon(name, num_blocks, recover=False)
+    daemon.start()
+    pool, journal = daemon.service.pool, daemon.journal
+    block_ids = pool.allocate(num_blocks, OWNER)
+    random.Random(0).shuffle(block_ids)  # seal order is not block order after real traffic
+    for start in range(0, num_blocks, COMMIT_EVERY):
+        chunk = block_ids[start:start + COMMIT_EVERY]
+        pool.seal(chunk, digests(start, len(chunk)), OWNER)
+        journal.commit()
+    pool.release(block_ids, OWNER)
+    print(json.dumps({"fill_s": time.perf_counter() - started}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Stopwatch:
+    """Wall and CPU seconds of named steps (CPU time stays meaningful on a busy machine)."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+
+    def lap(self, step: str) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.times[f"{step}_s"] = wall - self._wall
+        self.times[f"{step}_cpu_s"] = cpu - self._cpu
+        self._wall, self._cpu = wall, cpu
+
+
+def child_recover(name: str, num_blocks: int) -> None:
+    """Time a real recovery end to end, then its steps one by one; print JSON."""
+    from kvd.daemon import _bump_free_generations
+    from kvd.journal import Journal
+    from kvd.pool import BlockPool
+    from kvd.runtime import DaemonPaths, state_dir
+    from kvd.segment import Segment
+
+    daemon = _daemon(name, num_blocks, recover=True)
+    watch = Stopwatch()
+    daemon.start()
+    watch.lap("end_to_end")
+    if daemon.num_restored != num_blocks:
+        raise SystemExit(f"recovered {daemon.num_restored} blocks, expected {num_blocks}")
+    daemon.stop(keep=True)
+    daemon.serve_forever()  # returns at once: stopping, keeps segment and journal
+
+    times, watch = watch.times, Stopwatch()
+    journal = Journal(state_dir(name))
+    block_ids, keys = journal.load()
+    watch.lap("journal_load")
+    segment = Segment.attach(DaemonPaths.for_name(name).segment_name)
+    watch.lap("segment_attach")
+    pool = BlockPool(num_blocks, "default", segment.generations)
+    watch.lap("pool_build")
+    pool.restore(block_ids, keys)
+    watch.lap("pool_restore")
+    _bump_free_generations(pool, segment.generations)
+    watch.lap("generation_bump")
+    del pool
+    segment.close()
+    journal.close()
+    print(json.dumps({**times, **watch.times}), flush=True)
+
+
+def run_child(*args: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "bench.recovery", "--child", *args], cwd=ROOT,
+                          capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    if not lines:
+        raise RuntimeError(f"child {args} failed ({done.returncode}):\n{done.stderr}")
+    return json.loads(lines[-1])
+
+
+# ---- daemons as a user runs them ------------------------------------------------------------
+def start_cli(name: str, num_blocks: int, *flags: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "kvd.cli", "start", "--name", name, "--num-blocks",
+               str(num_blocks), *CLI_GEOMETRY, "--log-level", "WARNING", *flags]
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL)
+
+
+def wait_ready(proc: subprocess.Popen, name: str, timeout_s: float = 60.0) -> None:
+    import kvd
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon {name} exited {proc.returncode} before it was ready")
+        try:
+            kvd.connect(name, reconnect_timeout_s=0).close()
+            return
+        except kvd.DisconnectedError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"daemon {name} not ready in {timeout_s} s") from None
+            time.sleep(0.005)
+
+
+def shutdown(proc: subprocess.Popen, name: str, keep: bool) -> None:
+    import kvd
+
+    with kvd.connect(name, reconnect_timeout_s=0) as client:
+        client.shutdown(keep=keep)
+    proc.wait(60)
+
+
+def cli_ready_s(name: str, num_blocks: int) -> float:
+    started = time.perf_counter()
+    proc = start_cli(name, num_blocks, "--recover")
+    try:
+        wait_ready(proc, name)
+        ready_s = time.perf_counter() - started
+        shutdown(proc, name, keep=True)
+        return ready_s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ---- recovery -----------------------------------------------------------------------------------
+def bench_recovery(num_blocks: int, repeats: int) -> dict:
+    from kvd.runtime import DaemonPaths, state_dir
+
+    name = f"bench-recovery-{uuid.uuid4().hex[:8]}"
+    try:
+        progress(f"sealing {num_blocks:,} blocks, then SIGKILL ...")
+        fill = run_child("fill", name, str(num_blocks))
+        runs = []
+        for repeat in range(repeats):
+            progress(f"recovery {repeat + 1}/{repeats} ...")
+            row = run_child("recover", name, str(num_blocks))
+            row["cli_ready_s"] = cli_ready_s(name, num_blocks)
+            runs.append(row)
+        return {"num_blocks": num_blocks, "geometry": GEOMETRY, "goal_s": GOAL_RECOVERY_S,
+                "fill_s": fill["fill_s"], "runs": runs,
+                "best_end_to_end_s": min(r["end_to_end_s"] for r in runs),
+                "best_end_to_end_cpu_s": min(r["end_to_end_cpu_s"] for r in runs),
+                "load_average": os.getloadavg()}
+    finally:
+        segment = f"/dev/shm{DaemonPaths.for_name(name).segment_name}"
+        if os.path.exists(segment):
+            os.unlink(segment)
+        shutil.rmtree(state_dir(name), ignore_errors=True)
+
+
+# ---- seal throughput ------------------------------------------------------------------------
+def seal_round(client, batch_size: int, seconds: float, next_key: list[int]) -> float:
+    """alloc → seal → release until `seconds` passed; blocks sealed per second of seal calls."""
+    clock = time.perf_counter
+    seal_s, num_sealed = 0.0, 0
+    deadline = clock() + seconds
+    while clock() < deadline:
+        block_ids = client.alloc(batch_size)
+        keys = digests(next_key[0], batch_size)
+        next_key[0] += batch_size
+        t0 = clock()
+        client.seal(block_ids, keys)
+        seal_s += clock() - t0
+        num_sealed += batch_size
+        client.release(block_ids)
+    return num_sealed / seal_s
+
+
+def bench_seal_throughput(seconds: float, num_rounds: int = 5) -> dict:
+    import kvd
+
+    num_blocks = 262_144
+    names = {"journal": f"bench-seal-j-{uuid.uuid4().hex[:8]}",
+             "no_journal": f"bench-seal-n-{uuid.uuid4().hex[:8]}"}
+    procs = {mode: start_cli(name, num_blocks, *(["--no-journal"] if mode == "no_journal"
+                                                  else []))
+             for mode, name in names.items()}
+    clients = {}
+    try:
+        for mode, name in names.items():
+            wait_ready(procs[mode], name)
+            clients[mode] = kvd.connect(name)
+        rows = {}
+        for batch_size in BATCH_SIZES:
+            progress(f"seal throughput, batch {batch_size} ...")
+            rates: dict[str, list[float]] = {mode: [] for mode in names}
+            next_key = [0]
+            for _ in range(num_rounds):
+                for mode in names:  # interleaved: noise hits both modes alike
+                    rates[mode].append(seal_round(clients[mode], batch_size,
+                                                  seconds / num_rounds, next_key))
+            journal, plain = (statistics.median(rates[m]) for m in ("journal", "no_journal"))
+            rows[str(batch_size)] = {"journal_blocks_per_s": journal,
+                                     "no_journal_blocks_per_s": plain,
+                                     "journal_cost": 1 - journal / plain,
+                                     "rounds": rates}
+        return {"num_blocks": num_blocks, "goal_cost_at_16": GOAL_JOURNAL_COST, "batches": rows}
+    finally:
+        for client in clients.values():
+            client.close()
+        for mode, proc in procs.items():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
+
+
+# ---- driver ---------------------------------------------------------------------------------
+def print_tables(results: dict) -> None:
+    rec = results["recovery"]
+    print(f"\nRecovery of a {rec['num_blocks']:,}-block pool after SIGKILL "
+          f"(goal <= {rec['goal_s']} s; fill took {rec['fill_s']:.1f} s)")
+    columns = ("end_to_end_s", "journal_load_s", "segment_attach_s", "pool_build_s",
+               "pool_restore_s", "generation_bump_s", "cli_ready_s")
+    print("wall s (CPU s of this process: what a busy machine does not inflate)")
+    print(f"{'run':>3} " + " ".join(f"{c[:-2]:>17}" for c in columns))
+    for index, row in enumerate(rec["runs"], 1):
+        print(f"{index:>3} " + " ".join(
+            f"{row[c]:8.3f} ({row[c[:-2] + '_cpu_s']:6.3f})" if c[:-2] + "_cpu_s" in row
+            else f"{row[c]:17.3f}" for c in columns))
+    seal = results["seal"]
+    print(f"\nSeal throughput, one client, k blocks/s of seal calls (goal: journal cost "
+          f"<= {seal['goal_cost_at_16']:.0%} at batch 16)")
+    print(f"{'batch':>5} {'no journal':>11} {'journal':>9} {'cost':>6}")
+    for batch, row in seal["batches"].items():
+        print(f"{batch:>5} {row['no_journal_blocks_per_s'] / 1e3:11.1f} "
+              f"{row['journal_blocks_per_s'] / 1e3:9.1f} {row['journal_cost']:6.1%}")
+
+
+def private_dirs() -> str:
+    """Runtime and state dirs of this run only (children inherit them)."""
+    base = tempfile.mkdtemp(prefix="kvdb-", dir="/tmp")
+    os.environ["XDG_RUNTIME_DIR"] = base
+    os.environ["XDG_STATE_HOME"] = os.path.join(base, "state")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT),
+                                                             os.environ.get("PYTHONPATH")]))
+    return base
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-blocks", type=int, default=1_000_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=1.0,
+                        help="seal time per batch size and mode")
+    parser.add_argument("--out", type=Path, help="directory to write recovery.json into")
+    parser.add_argument("--child", nargs=3, metavar=("WHAT", "NAME", "NUM_BLOCKS"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        what, name, num_blocks = args.child
+        (child_fill if what == "fill" else child_recover)(name, int(num_blocks))
+        return
+    base = private_dirs()
+    try:
+        results = {"recovery": bench_recovery(args.num_blocks, args.repeats),
+                   "seal": bench_seal_throughput(args.seconds)}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print_tables(results)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "recovery.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

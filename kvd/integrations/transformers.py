@@ -45,11 +45,13 @@ memory; `close()` drops the views first.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -58,6 +60,12 @@ from kvd.geometry import Geometry
 
 SUPPORTED_TRANSFORMERS = "5.24.0"
 TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+if transformers.__version__ != SUPPORTED_TRANSFORMERS:
+    warnings.warn(f"kvd.integrations.transformers supports transformers {SUPPORTED_TRANSFORMERS} "
+                  f"(its Cache API changes between releases); {transformers.__version__} is "
+                  "installed: `pip install -e '.[engines]'` installs the supported one",
+                  stacklevel=2)
 
 
 def model_kv_shape(model: PreTrainedModel) -> dict[str, int]:

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.errors import BadArgsError, DeniedError, DisconnectedError, InUseError, NoSpaceError
+from kvd.errors import BadArgsError, DeniedError, DisconnectedError, InUseError
 from kvd.geometry import Geometry
 from kvd.hashing import token_bytes
 from kvd.protocol import (
@@ -101,6 +101,9 @@ class Client:
         self._stale_segments: list[Segment] = []
         self._pool: np.ndarray | None = None
         self._next_id = 1
+        # Reused for every reply (the decoder copies what it keeps): sock.recv(_RECV_NBYTES)
+        # would have malloc map, fault in and unmap 256 KiB per call (bench/control_plane.py).
+        self._recv_view = memoryview(bytearray(_RECV_NBYTES))
         self._pid = os.getpid()
         self._is_forked = False
         try:
@@ -197,11 +200,11 @@ class Client:
 
     def _read_body(self) -> bytes:
         while True:
-            data = self._sock.recv(_RECV_NBYTES)
-            if not data:
+            nbytes = self._sock.recv_into(self._recv_view)
+            if not nbytes:
                 raise DisconnectedError(f"the kvd daemon at {self.socket_path} closed the "
                                         "connection")
-            bodies = self._decoder.feed(data)
+            bodies = self._decoder.feed(self._recv_view[:nbytes])
             if bodies:
                 return bodies[0]  # one request in flight: at most one reply
 
@@ -331,20 +334,13 @@ class Client:
         self._check_live(seq)
         data = token_bytes(token_ids)
         num_computed = seq.num_tokens if num_computed is None else num_computed
-        try:
-            new_ids = self._call("seq_extend", {"seq_id": seq.seq_id, "tokens": data,
-                                                "num_computed": num_computed})
-        except NoSpaceError:
-            self._note_sealed(seq, num_computed)  # the commit happened before allocation failed
-            raise
-        self._note_sealed(seq, num_computed)
+        new_ids = self._call("seq_extend", {"seq_id": seq.seq_id, "tokens": data,
+                                            "num_computed": num_computed})
+        seq.num_sealed_blocks = max(seq.num_sealed_blocks,
+                                    num_computed // self.geometry.block_size)
         seq.block_ids.extend(new_ids)
         seq.num_tokens += len(data) // 4
         return new_ids
-
-    def _note_sealed(self, seq: Sequence, num_computed: int) -> None:
-        seq.num_sealed_blocks = max(seq.num_sealed_blocks,
-                                    num_computed // self.geometry.block_size)
 
     def commit_sequence(self, seq: Sequence, num_computed: int | None = None) -> int:
         """Seal the full blocks below `num_computed` tokens (default all); returns how many."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvd.errors import BadArgsError, NoSpaceError
+from kvd.errors import BadArgsError, InternalError, NoSpaceError
 from kvd.hashing import hash_blocks, root_hash
 from kvd.policies import TIER_DECODE, TIER_PREFILL
 from kvd.pool import BlockPool
@@ -124,13 +124,20 @@ class PageTable:
         return last - first
 
     def extend(self, record: SequenceRecord, tokens: bytes, num_computed: int) -> list[int]:
-        """Commit `num_computed`, append `tokens`; returns the newly allocated block ids."""
-        self.commit(record, num_computed)
+        """Commit `num_computed`, append `tokens`; returns the newly allocated block ids.
+
+        All or nothing: without room for the new blocks it raises NoSpaceError before sealing
+        anything (sealing keeps blocks pinned, so it cannot make room).
+        """
         num_tokens = record.num_tokens + len(tokens) // 4
-        num_needed = self._blocks_for(num_tokens) - len(record.block_ids)
-        new_ids = self.pool.allocate(num_needed, record.owner) if num_needed > 0 else []
-        if new_ids is None:
+        num_needed = max(self._blocks_for(num_tokens) - len(record.block_ids), 0)
+        if num_needed > self.pool.num_available:
             raise NoSpaceError(self._no_space(num_needed))
+        self.commit(record, num_computed)
+        new_ids = self.pool.allocate(num_needed, record.owner)
+        if new_ids is None:
+            raise InternalError(f"{num_needed} blocks were available before the commit but not "
+                                "after it: sealing must not consume space")
         record.tokens += tokens
         record.block_ids.extend(new_ids)
         return new_ids

@@ -149,6 +149,16 @@ def test_no_space_on_extend_appends_nothing(h):
     h.pool.release(hog, owner=1)
 
 
+def test_no_space_on_extend_seals_nothing_either(h):
+    record, _ = h.table.open(tokens(4))
+    hog = h.pool.allocate(15, owner=1)
+    before = h.snapshot()
+    with pytest.raises(NoSpaceError):
+        h.table.extend(record, tokens(1, 4), num_computed=4)  # would seal the full block
+    assert h.snapshot() == before and record.num_sealed == 0
+    h.pool.release(hog, owner=1)
+
+
 def test_fork_shares_sealed_blocks_and_copies_unsealed_ones(h):
     parent, _ = h.table.open(tokens(10))
     h.store[parent.block_ids] = np.arange(3)[:, None] + 1

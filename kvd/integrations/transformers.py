@@ -197,7 +197,7 @@ class KvdLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         start, stop = self.num_tokens, self.num_tokens + key_states.shape[-2]
         pools = self._live_pools()
-        for pool, states in zip(pools, (key_states, value_states)):
+        for pool, states in zip(pools, (key_states, value_states), strict=True):
             self._write(pool, states, start, stop)
         self.num_tokens = stop
         keys, values = (self._gather(pool, stop) for pool in pools)
@@ -263,7 +263,8 @@ class KvdCache(Cache):
         check_model_fits(model, client.geometry)
         prompt = _token_list(token_ids)
         pool = pool_tensor(client)
-        self._binding = _SequenceBinding(client, prompt, model_salt(model) if salt is None else salt)
+        salt = model_salt(model) if salt is None else salt
+        self._binding = _SequenceBinding(client, prompt, salt)
         self.num_prompt_tokens = len(prompt)
         self.num_cached_tokens = self._binding.seq.num_cached_tokens
         super().__init__(layers=[

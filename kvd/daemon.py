@@ -139,6 +139,9 @@ class Daemon:
         self._selector = selectors.DefaultSelector()
         self._connections: dict[int, Connection] = {}  # by socket fd
         self._replied: set[Connection] = set()  # connections with replies held for the commit
+        # One receive buffer for every connection (the decoder copies what it keeps):
+        # sock.recv(RECV_NBYTES) would have malloc map and unmap 256 KiB on every call.
+        self._recv_view = memoryview(bytearray(RECV_NBYTES))
         self._signal_r, self._signal_w = socket.socketpair()
         self._signal_r.setblocking(False)
         self._signal_w.setblocking(False)
@@ -362,17 +365,17 @@ class Daemon:
 
     def _read(self, connection: Connection) -> None:
         try:
-            data = connection.sock.recv(RECV_NBYTES)
+            nbytes = connection.sock.recv_into(self._recv_view)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             self._close(connection, f"recv failed: {exc}")
             return
-        if not data:
+        if not nbytes:
             self._close(connection, "closed by peer")
             return
         try:
-            bodies = connection.decoder.feed(data)
+            bodies = connection.decoder.feed(self._recv_view[:nbytes])
         except KvdError as exc:  # bad length prefix: the stream cannot be resynchronised
             self.ops.error(exc.code)
             _send_quietly(connection.sock, bytes(connection.output) + encode_error(None, exc))

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from kvd.errors import BadArgsError
 from kvd.replay import belady_hits, replay_anchor, replay_pool, replay_rows
-from kvd.traces import Request, load_trace, write_trace
+from kvd.traces import Request, decode_blocks, load_trace, write_trace
 
 TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
 SYNTHETIC = TRACES / "synthetic_trace.jsonl"
@@ -102,3 +103,27 @@ def test_anchor_on_synthetic_trace() -> None:
         assert round(counts.num_prefix_hits / counts.num_refs, 4) == lru
         refs = [key for request in trace for key in request.hash_ids]
         assert round(belady_hits(refs, capacity) / len(refs), 4) == opt
+
+
+def test_decode_blocks_take_the_follow_up_turns_keys() -> None:
+    first = Request(0, 2 * 512 + 100, 600, (1, 2, 3))  # 2 full prompt blocks, 1 decode block
+    follow_up = Request(1, 4 * 512, 10, (1, 2, 7, 8))  # holds the prompt and the output
+    shared = Request(2, 512 + 10, 2000, (1, 9))  # block 1 is everyone's: no follow-up guessed
+    unrelated = Request(3, 2 * 512, 10, (1, 10))
+    assert decode_blocks([first, follow_up, shared, unrelated]) == [(7,), (), (-1, -2, -3), ()]
+
+
+@pytest.mark.parametrize("tiers", [None, "prefill=0.8,decode=0.2"])
+def test_decode_replay_counts_prompt_references_only(tiers: str | None) -> None:
+    trace = generated_trace()
+    plain = replay_rows(trace, ["lru"], [10_000], "pool")[0]
+    rows = replay_rows(trace, ["lru", "default"], [20, 10_000], "pool", tiers=tiers, decode=True)
+    for row in rows:
+        assert row.mode == "pool+decode"
+        assert 0 <= row.prefix_hit_ratio <= row.block_hit_ratio <= row.opt_hit_ratio + 1e-9
+    assert rows[2].block_hit_ratio == pytest.approx(plain.block_hit_ratio)  # lru, all fits
+
+
+def test_tiers_need_pool_mode() -> None:
+    with pytest.raises(BadArgsError, match="--mode pool"):
+        replay_rows(generated_trace(20), ["lru"], [10], "anchor", tiers="prefill=0.5,decode=0.5")

@@ -44,10 +44,10 @@ import numpy as np
 from kvd.errors import DeniedError, InternalError, JournalError, KvdError, ProtocolError
 from kvd.geometry import Geometry
 from kvd.hashing import HASH_VERSION
-from kvd.journal import Journal, failpoint
+from kvd.journal import JOURNAL_VERSION, Journal, failpoint
 from kvd.metrics import OpStats, serve_metrics
 from kvd.policies import make_policy
-from kvd.pool import BlockPool
+from kvd.pool import BlockPool, IndexRows
 from kvd.protocol import FrameDecoder, encode_error, encode_result, parse_request, unpack_body
 from kvd.runtime import DaemonPaths
 from kvd.runtime import state_dir as state_dir_of
@@ -171,19 +171,18 @@ class Daemon:
         recovered = self._recover() if self.is_recovering else None
         if recovered is None:
             self._create_segment()
-            block_ids, hashes = [], []
         else:
-            self.segment, block_ids, hashes = recovered
+            self.segment, rows = recovered
         num_blocks = self.geometry.num_blocks
         pool = BlockPool(num_blocks, make_policy(self.policy_name, num_blocks, tiers=self.tiers),
                          self.segment.generations, observer=self.journal)
         if recovered is not None:
             failpoint("during-recovery")
-            pool.restore(block_ids, hashes)
+            self.num_restored = pool.restore(rows)
             _bump_free_generations(pool, self.segment.generations)
-            self.num_restored = len(block_ids)
-            log.info("recovered segment %s: %d sealed blocks restored from %s",
-                     self.segment.name, len(block_ids), self.journal.path)
+            log.info("recovered segment %s: %d of %d journaled blocks restored from %s",
+                     self.segment.name, self.num_restored, len(rows.block_ids),
+                     self.journal.path)
         info = {"segment": self.segment.name, "segment_uuid": self.segment.uuid,
                 "daemon_pid": os.getpid(), "name": self.paths.name}
         self.service = Service(pool, self.geometry, _block_copier(self.segment.pool), info,
@@ -201,7 +200,7 @@ class Daemon:
         if self.journal is not None:
             self.journal.reset(_stamp(self.segment))
 
-    def _recover(self) -> tuple[Segment, list[int], list[bytes]] | None:
+    def _recover(self) -> tuple[Segment, IndexRows] | None:
         """The previous segment and its journaled blocks, or None (logged) to start clean."""
         if self.journal is None:
             log.warning("recovery: --recover needs the journal; starting clean")
@@ -225,8 +224,7 @@ class Daemon:
             log.warning("recovery: %s; starting clean", reason)
             segment.close()
             return None
-        block_ids, hashes = self.journal.load()
-        return segment, block_ids, hashes
+        return segment, self.journal.load()
 
     def _bind(self) -> None:
         path = self.paths.socket_path
@@ -436,7 +434,7 @@ class Daemon:
             if self.service.write_error is not None:
                 if time.monotonic() < self._next_journal_retry:
                     return None  # writes are refused meanwhile, nothing can be pending
-                journal.rewrite(*self.service.pool.indexed_blocks())
+                journal.rewrite(self.service.pool.journal_rows())
                 log.warning("journal writable again (%s): accepting writes", journal.path)
                 self.service.write_error = None
             elif journal.is_dirty:
@@ -493,7 +491,8 @@ class Daemon:
 
 def _stamp(segment: Segment) -> dict[str, Any]:
     """What a journal must agree with to be restored into `segment`."""
-    return {"layout_version": LAYOUT_VERSION, "hash_version": HASH_VERSION,
+    return {"journal_version": JOURNAL_VERSION, "layout_version": LAYOUT_VERSION,
+            "hash_version": HASH_VERSION,
             "geometry": segment.geometry.to_dict(), "segment_uuid": segment.uuid.hex(),
             "boot_id": segment.boot_id.hex()}
 

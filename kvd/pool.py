@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -68,6 +68,9 @@ from kvd.policies import TIER_NAMES, EvictionPolicy, make_policy
 
 FREE, OWNED, SEALED, CACHED = 0, 1, 2, 3
 NO_BLOCK = -1  # an empty link in the prefix tree
+# In IndexRows: the `parent` of a chain's head, and of an orphan (sealed after its parent was
+# evicted, so unreachable).
+NO_PARENT, ORPHAN = NO_BLOCK, -2
 STATE_NAMES = ("free", "owned", "sealed", "cached")
 
 
@@ -81,10 +84,22 @@ def _check_key(key: Hashable) -> None:
         raise BadArgsError("block hash None is not a content hash: pass bytes")
 
 
+class IndexRows(NamedTuple):
+    """The hash index as columns, oldest entry first: what the journal keeps and restores."""
+
+    block_ids: list[int]
+    keys: list[Hashable]
+    generations: list[int]  # the block's generation when it was sealed
+    parents: list[int]  # parent block id, NO_PARENT or ORPHAN
+    parent_generations: list[int]  # the parent's generation when the child was sealed
+    tiers: list[int]
+
+
 class PoolObserver(Protocol):
     """Receives every change to the hash index, in order (kvd.journal.Journal is one)."""
 
-    def sealed(self, block_id: int, key: Hashable) -> None: ...
+    def sealed(self, block_id: int, key: Hashable, generation: int, parent: int,
+               parent_generation: int, tier: int) -> None: ...
 
     def evicted(self, block_id: int) -> None: ...
 
@@ -179,10 +194,6 @@ class BlockPool:
     def states(self) -> bytes:
         """One byte per block: FREE, OWNED, SEALED or CACHED (a copy)."""
         return bytes(self._state)
-
-    def indexed_blocks(self) -> tuple[list[int], list[Hashable]]:
-        """(block ids, keys) of the hash index, oldest entry first."""
-        return list(self._index.values()), list(self._index)
 
     # ---- allocation ------------------------------------------------------------------------
     def allocate(self, num_blocks: int, owner: int) -> list[int] | None:
@@ -326,7 +337,7 @@ class BlockPool:
                     self._adopt(block_id, parents[position])
                 self._index[key] = block_id
                 if self.observer is not None:
-                    self.observer.sealed(block_id, key)
+                    self.observer.sealed(*self._journal_row(block_id))
             indexed.append(is_new)
         self._num_owned -= len(block_ids)
         self._num_sealed += len(block_ids)
@@ -466,29 +477,92 @@ class BlockPool:
             self.policy.inserted(key, self._tier[block_id])
 
     # ---- recovery --------------------------------------------------------------------------
-    def restore(self, block_ids: Sequence[int], keys: Sequence[Hashable]) -> None:
-        """Make blocks CACHED under their keys, oldest first (a fresh pool after a crash).
+    def _journal_row(self, block_id: int) -> tuple[Hashable, ...]:
+        """What the journal records of an indexed block (see kvd/journal.py)."""
+        parent = self._parent[block_id]
+        if self._is_orphan[block_id]:
+            parent = ORPHAN
+        parent_generation = int(self.generations[parent]) if parent >= 0 else 0
+        return (block_id, self._hashes[block_id], int(self.generations[block_id]), parent,
+                parent_generation, self._tier[block_id])
 
-        Every other block stays FREE. Raises InternalError if the pool is not fresh, and
-        BadArgsError for a bad id or a key or block given twice.
+    def journal_rows(self) -> list[tuple[Hashable, ...]]:
+        """Every indexed block as a journal row, oldest index entry first."""
+        return [self._journal_row(block_id) for block_id in self._index.values()]
+
+    def restore(self, rows: IndexRows) -> int:
+        """Make journaled blocks CACHED again, oldest first, in a fresh pool (after a crash).
+
+        A row is restored only if the block still has the generation the row recorded and its
+        parent (if any) was restored as the same residency the child was sealed under; orphans
+        and the descendants of dropped rows are not restored (they would be unreachable). The
+        prefix tree and tiers come back with the blocks. Returns how many were restored.
+        Raises InternalError if the pool is not fresh, BadArgsError for a corrupt journal.
         """
         if len(self._free) != self.num_blocks:
             raise InternalError("restore() needs a fresh pool: blocks are already in use")
-        if len(block_ids) != len(keys):
-            raise BadArgsError(f"restore got {len(block_ids)} block ids but {len(keys)} keys")
-        if len(set(block_ids)) != len(block_ids) or len(set(keys)) != len(keys):
-            raise BadArgsError("restore names a block or a key twice: the journal is corrupt")
-        for block_id in block_ids:
-            self._checked_id(block_id)
-        state, hashes, index, inserted = self._state, self._hashes, self._index, \
-            self.policy.inserted
-        for block_id, key in zip(block_ids, keys):
-            state[block_id] = CACHED
+        keep = self._restorable(rows)
+        ids = np.asarray(rows.block_ids, dtype=np.int64)[keep]
+        keys = [key for key, is_kept in zip(rows.keys, keep.tolist()) if is_kept]
+        parents = np.asarray(rows.parents, dtype=np.int64)[keep]
+        tiers = np.asarray(rows.tiers, dtype=np.uint8)[keep]
+        self._index = dict(zip(keys, ids.tolist()))
+        if len(self._index) != len(keys):
+            raise BadArgsError("the journal names a hash twice: it is corrupt")
+        np.frombuffer(self._state, dtype=np.uint8)[ids] = CACHED
+        np.frombuffer(self._tier, dtype=np.uint8)[ids] = tiers
+        hashes = self._hashes
+        for block_id, key in zip(ids.tolist(), keys):
             hashes[block_id] = key
-            index[key] = block_id
-            inserted(key)
-        self._free = array("q", (i for i in range(self.num_blocks - 1, -1, -1)
-                                 if state[i] == FREE))
+        self._link_restored(ids, parents)
+        self.policy.restored(keys, tiers.tolist())
+        self._free = array("q", np.flatnonzero(np.frombuffer(self._state, dtype=np.uint8)
+                                               == FREE)[::-1].tolist())
+        return len(keys)
+
+    def _restorable(self, rows: IndexRows) -> np.ndarray:
+        """Which rows to restore: current generation, not orphans, and every ancestor kept."""
+        ids = np.asarray(rows.block_ids, dtype=np.int64)
+        num_rows = ids.size
+        if num_rows and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            raise BadArgsError(f"the journal names a block outside [0, {self.num_blocks}): "
+                               "it is corrupt")
+        row_of = np.full(self.num_blocks, -1, dtype=np.int64)
+        row_of[ids] = np.arange(num_rows)
+        if np.count_nonzero(row_of >= 0) != num_rows:
+            raise BadArgsError("the journal names a block twice: it is corrupt")
+        rows_range = np.arange(num_rows)
+        generations = np.asarray(rows.generations, dtype=np.uint64)
+        parents = np.asarray(rows.parents, dtype=np.int64)
+        has_parent = parents >= 0
+        parent_row = np.where(has_parent, row_of[np.where(has_parent, parents, 0)], rows_range)
+        parent_row = np.where(parent_row < 0, rows_range, parent_row)  # a missing parent
+        is_linked = ~has_parent | (
+            (row_of[np.where(has_parent, parents, 0)] >= 0) & (parent_row < rows_range)
+            & (generations[parent_row] == np.asarray(rows.parent_generations, dtype=np.uint64)))
+        keep = (self.generations[ids] == generations) & (parents != ORPHAN) & is_linked
+        # A row is kept only if all its ancestors are: pointer jumping needs log2(depth) passes.
+        while True:
+            keep = keep & keep[parent_row]
+            grandparent_row = parent_row[parent_row]
+            if np.array_equal(grandparent_row, parent_row):
+                return keep
+            parent_row = grandparent_row
+
+    def _link_restored(self, ids: np.ndarray, parents: np.ndarray) -> None:
+        """Thread restored children into their parents' child lists, all at once."""
+        has_parent = parents >= 0
+        children, parents = ids[has_parent], parents[has_parent]
+        order = np.argsort(parents, kind="stable")
+        children, parents = children[order], parents[order]
+        view = {name: np.frombuffer(getattr(self, name), dtype=np.int32)
+                for name in ("_parent", "_first_child", "_next_sibling", "_prev_sibling")}
+        view["_parent"][children] = parents
+        is_sibling = parents[1:] == parents[:-1]  # consecutive children of one parent
+        view["_next_sibling"][children[:-1][is_sibling]] = children[1:][is_sibling]
+        view["_prev_sibling"][children[1:][is_sibling]] = children[:-1][is_sibling]
+        is_first = np.concatenate(([True], ~is_sibling))[:children.size]
+        view["_first_child"][parents[is_first]] = children[is_first]
 
     # ---- checking ------------------------------------------------------------------------
     def _checked_id(self, block_id: int) -> int:

@@ -14,6 +14,7 @@ import pytest
 from conftest import ROOT, child_env
 from kvd.errors import JournalError
 from kvd.journal import FAILPOINTS, JOURNAL_FILENAME, Journal, failpoint
+from kvd.pool import NO_PARENT
 
 
 @pytest.fixture
@@ -24,17 +25,28 @@ def journal(tmp_path: Path):
 
 
 def reopened(journal: Journal) -> tuple[list[int], list[bytes]]:
-    """What a restarted daemon would load from the same directory."""
+    """(block ids, keys) a restarted daemon would load from the same directory."""
     other = Journal(journal.state_dir)
     try:
-        return other.load()
+        rows = other.load()
     finally:
         other.close()
+    return rows.block_ids, rows.keys
+
+
+def seal(journal: Journal, block_id: int, key: bytes) -> None:
+    """Journal a chain head of generation 0 in the prefill tier."""
+    journal.sealed(block_id, key, 0, NO_PARENT, 0, 0)
+
+
+def heads(block_ids: list[int], keys: list[bytes]) -> list[tuple]:
+    """Rows for Journal.rewrite: chain heads of generation 0."""
+    return [(block_id, key, 0, NO_PARENT, 0, 0) for block_id, key in zip(block_ids, keys)]
 
 
 def test_nothing_is_written_before_commit_and_everything_after(journal):
-    journal.sealed(3, b"h3")
-    journal.sealed(1, b"h1")
+    seal(journal, 3, b"h3")
+    seal(journal, 1, b"h1")
     assert journal.is_dirty and journal.num_pending == 2
     assert reopened(journal) == ([], [])
     journal.commit()
@@ -43,8 +55,8 @@ def test_nothing_is_written_before_commit_and_everything_after(journal):
 
 
 def test_eviction_deletes_the_row(journal):
-    journal.sealed(3, b"h3")
-    journal.sealed(4, b"h4")
+    seal(journal, 3, b"h3")
+    seal(journal, 4, b"h4")
     journal.commit()
     journal.evicted(3)
     journal.commit()
@@ -52,10 +64,10 @@ def test_eviction_deletes_the_row(journal):
 
 
 def test_evicted_then_resealed_in_one_commit_keeps_the_new_row(journal):
-    journal.sealed(3, b"old")
+    seal(journal, 3, b"old")
     journal.commit()
     journal.evicted(3)
-    journal.sealed(3, b"new")
+    seal(journal, 3, b"new")
     journal.commit()
     assert reopened(journal) == ([3], [b"new"])
 
@@ -64,7 +76,7 @@ def test_sealed_then_evicted_in_one_commit_leaves_no_row(journal):
     # Regression: a client may pipeline seal + release while another allocation evicts the
     # block in the same loop iteration. The DELETEs ran before the INSERTs, so the row of an
     # evicted block survived and recovery restored its new owner's bytes under the old hash.
-    journal.sealed(3, b"h3")
+    seal(journal, 3, b"h3")
     journal.evicted(3)
     assert journal.num_pending == 2  # both changes count: the daemon holds both replies
     journal.commit()
@@ -72,19 +84,19 @@ def test_sealed_then_evicted_in_one_commit_leaves_no_row(journal):
 
 
 def test_sealed_evicted_and_resealed_in_one_commit_keeps_the_last_seal(journal):
-    journal.sealed(3, b"first")
+    seal(journal, 3, b"first")
     journal.evicted(3)
-    journal.sealed(3, b"second")
+    seal(journal, 3, b"second")
     journal.commit()
     assert reopened(journal) == ([3], [b"second"])
 
 
 def test_seal_order_continues_across_reopen(journal):
-    journal.sealed(7, b"a")
+    seal(journal, 7, b"a")
     journal.commit()
     other = Journal(journal.state_dir)
     try:
-        other.sealed(2, b"b")
+        seal(other, 2, b"b")
         other.commit()
     finally:
         other.close()
@@ -92,19 +104,19 @@ def test_seal_order_continues_across_reopen(journal):
 
 
 def test_rewrite_replaces_every_row_and_drops_pending_changes(journal):
-    journal.sealed(1, b"x")
+    seal(journal, 1, b"x")
     journal.commit()
-    journal.sealed(2, b"pending")
-    journal.rewrite([5, 6], [b"five", b"six"])
+    seal(journal, 2, b"pending")
+    journal.rewrite(heads([5, 6], [b"five", b"six"]))
     assert not journal.is_dirty
     assert reopened(journal) == ([5, 6], [b"five", b"six"])
-    journal.sealed(9, b"nine")  # later seals come after the rewritten ones
+    seal(journal, 9, b"nine")  # later seals come after the rewritten ones
     journal.commit()
     assert reopened(journal) == ([5, 6, 9], [b"five", b"six", b"nine"])
 
 
 def test_reset_records_the_stamp_and_forgets_blocks(journal):
-    journal.sealed(1, b"x")
+    seal(journal, 1, b"x")
     journal.commit()
     stamp = {"layout_version": 1, "geometry": {"num_blocks": 4}, "boot_id": "ab"}
     journal.reset(stamp)
@@ -118,25 +130,25 @@ def test_injected_write_failure_raises_journal_error_and_writes_nothing(journal,
                                                                          monkeypatch):
     fail_file = tmp_path / "fail"
     monkeypatch.setenv("KVD_JOURNAL_FAIL_FILE", str(fail_file))
-    journal.sealed(1, b"kept")
+    seal(journal, 1, b"kept")
     journal.commit()  # the file does not exist yet: writes work
     fail_file.touch()
-    journal.sealed(2, b"lost")
+    seal(journal, 2, b"lost")
     with pytest.raises(JournalError, match="injected"):
         journal.commit()
     assert not journal.is_dirty  # the failed changes are dropped: the caller must rewrite
     with pytest.raises(JournalError):
-        journal.rewrite([1, 2], [b"kept", b"lost"])
+        journal.rewrite(heads([1, 2], [b"kept", b"lost"]))
     assert reopened(journal) == ([1], [b"kept"])
     fail_file.unlink()
-    journal.rewrite([1, 2], [b"kept", b"lost"])
+    journal.rewrite(heads([1, 2], [b"kept", b"lost"]))
     assert reopened(journal) == ([1, 2], [b"kept", b"lost"])
 
 
 def test_files_are_private_and_remove_deletes_them(tmp_path):
     state_dir = tmp_path / "state" / "name"
     journal = Journal(state_dir)
-    journal.sealed(1, b"x")
+    seal(journal, 1, b"x")
     journal.commit()
     assert stat.S_IMODE(state_dir.stat().st_mode) == 0o700
     assert stat.S_IMODE((state_dir / JOURNAL_FILENAME).stat().st_mode) == 0o600

@@ -489,7 +489,7 @@ def test_crash_during_recovery_then_recovery_again(restartable):
     daemon.start("--recover", wait=False, KVD_FAILPOINT="during-recovery")
     daemon.expect_crash()
     offset = daemon.recover()
-    assert f"{len(sealed)} sealed blocks restored" in daemon.log(offset)
+    assert f"{len(sealed)} of {len(sealed)} journaled blocks restored" in daemon.log(offset)
     with daemon.connect() as client:
         check_fresh_recovery(client)
         check_present(client, sealed)
@@ -632,7 +632,7 @@ def test_stop_keep_then_recover_keeps_bytes_and_index(restartable):
     assert os.path.exists(daemon.segment_path) and daemon.journal_path.exists()
     assert not os.path.exists(daemon.paths.socket_path)
     offset = daemon.recover()
-    assert "50 sealed blocks restored" in daemon.log(offset)
+    assert "50 of 50 journaled blocks restored" in daemon.log(offset)
     with daemon.connect() as client:
         check_fresh_recovery(client)
         check_present(client, sealed)

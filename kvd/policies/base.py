@@ -33,7 +33,7 @@ so a recency-ordered policy already tends to pick a chain's tail before its head
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import ClassVar
 
 TIER_PREFILL, TIER_DECODE = 0, 1  # who wrote a block: the prompt's prefill or decode
@@ -53,6 +53,15 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
         """`key` became evictable; `tier` is TIER_PREFILL or TIER_DECODE."""
+
+    def restored(self, keys: Sequence[Hashable], tiers: Sequence[int]) -> None:
+        """Recovery: `keys` become evictable, oldest first, in a policy that tracks nothing yet.
+
+        Equivalent to `inserted` for each; policies with a cheaper bulk path override it (a
+        million-block pool restores in bench/recovery.py's time budget only with one).
+        """
+        for key, tier in zip(keys, tiers):
+            self.inserted(key, tier)
 
     @abstractmethod
     def accessed(self, key: Hashable) -> None:

@@ -8,7 +8,7 @@ fastest LRU available to Python code (bench/policies.py).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from kvd.policies.base import TIER_PREFILL, EvictionPolicy
 
@@ -24,6 +24,11 @@ class LRUPolicy(EvictionPolicy):
 
     def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
         self._order[key] = None
+
+    def restored(self, keys: Sequence[Hashable], tiers: Sequence[int]) -> None:
+        if self._order:
+            raise ValueError("restored() needs a policy that tracks nothing yet")
+        self._order = OrderedDict.fromkeys(keys)
 
     def accessed(self, key: Hashable) -> None:
         if key in self._order:

@@ -25,7 +25,7 @@ its counter cleared: its S hit paid for the promotion.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from kvd.policies.base import TIER_PREFILL, EvictionPolicy
 
@@ -56,6 +56,13 @@ class S3FIFOPolicy(EvictionPolicy):
             self._frequency[key] = 0
             is_main = self._is_ghost_hit(key)
         (self._main if is_main else self._small)[key] = None
+
+    def restored(self, keys: Sequence[Hashable], tiers: Sequence[int]) -> None:
+        # A fresh policy has no ghosts, so every key enters S unhit, as `inserted` would do it.
+        if self._frequency:
+            raise ValueError("restored() needs a policy that tracks nothing yet")
+        self._frequency = dict.fromkeys(keys, 0)
+        self._small = OrderedDict.fromkeys(keys)
 
     def _is_ghost_hit(self, key: Hashable) -> bool:
         """A newly cached key: whether it left S unhit recently (then it goes to M)."""

@@ -41,8 +41,8 @@ parent is never evicted before its cached children. Cost: each block is linked o
 once per residency, and an eviction visits the blocks it frees plus any pinned ones below them,
 so every operation is O(1) amortised per freed block. (Pinned blocks under a cached parent only
 arise from raw pins of a chain's middle: a sequence pins its whole chain from the head.) Evicting a subtree may free more blocks than an allocation asked for;
-they were unreachable, so nothing of value is lost. Recovered blocks (`restore`) have no links:
-the journal does not record parents.
+they were unreachable, so nothing of value is lost. The journal records each block's parent, so
+`restore` rebuilds the tree.
 
 The policy sees only CACHED keys (see kvd/policies/base.py); `_num_cached == len(policy)`.
 

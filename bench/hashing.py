@@ -83,6 +83,24 @@ def print_table(rows: list[dict]) -> None:
               f"{row['baseline_over_kvd_list']:9.2f}x")
 
 
+def run_bench(quick: bool, out: Path) -> str:
+    """`python -m bench` calls this (quick: 4k-token prompts, 3 repeats each); returns markdown."""
+    rows = [measure(block_size, num_tokens, 0.0 if quick else 0.5)
+            for block_size in BLOCK_SIZES
+            for num_tokens in (PROMPT_TOKENS[:1] if quick else PROMPT_TOKENS)]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hashing.json").write_text(json.dumps(
+        {"hash_version": kvd.HASH_VERSION, "python": sys.version.split()[0], "rows": rows},
+        indent=2))
+    lines = ["| block | prompt tokens | kvd list ns/token | kvd numpy ns/token | "
+             "sha256+pickle ns/token | sha256 / kvd |", "|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['block_size']} | {r['prompt_tokens']} | {r['kvd_list_ns_per_token']:.1f} | "
+              f"{r['kvd_numpy_ns_per_token']:.1f} | {r['sha256_pickle_ns_per_token']:.1f} | "
+              f"{r['baseline_over_kvd_list']:.2f}x |" for r in rows]
+    return ("## Hashing: kvd.hash_blocks vs a SHA-256/pickle chain (bench/hashing.py)\n\n"
+            + "\n".join(lines) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget-s", type=float, default=0.5,

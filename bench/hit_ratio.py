@@ -54,6 +54,27 @@ def markdown(trace_name: str, rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_bench(quick: bool, out: Path) -> str:
+    """`python -m bench` calls this: both traces in pool mode (quick: the first 300 requests at
+    two capacities), tables and plots into `out`; a skip note when the traces are absent."""
+    title = "## Hit ratio vs capacity, every policy and Belady's OPT (bench/hit_ratio.py)\n\n"
+    missing = [name for name in TRACE_NAMES if not (TRACES / name).is_file()]
+    if missing:
+        return title + f"Skipped: traces {missing} not found under {TRACES.resolve()}.\n"
+    capacities = (1000, 2000) if quick else DEFAULT_CAPACITIES
+    tables, all_rows = [], {}
+    out.mkdir(parents=True, exist_ok=True)
+    for trace_name in TRACE_NAMES:
+        trace = load_trace(TRACES / trace_name)
+        rows = replay_rows(trace[:300] if quick else trace, list(POLICIES), capacities, "pool")
+        tables.append(markdown(trace_name, rows))
+        all_rows[trace_name] = [asdict(row) for row in rows]
+        plot_rows(rows, str(out / f"hit_ratio_pool_{trace_name.split('_')[0]}.png"),
+                  f"{trace_name} (pool replay)")
+    (out / "hit_ratio_pool.json").write_text(json.dumps(all_rows, indent=1))
+    return title + "\n".join(tables)
+
+
 def tier_study(out: Path | None) -> None:
     """Prefix hit ratio of the default policy with decode blocks, per split and capacity."""
     tables, all_rows = [], {}

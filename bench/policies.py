@@ -64,17 +64,18 @@ def lfu_victim_ns(size: int, num_victims: int = 20_000) -> float:
     return (time.perf_counter_ns() - start) / num_victims
 
 
-def measure() -> dict:
-    results: dict = {"sizes": list(SIZES), "per_round_ns": {}, "ratio_1m_1k": {}}
+def measure(sizes: tuple[int, ...] = SIZES, num_rounds: int = NUM_ROUNDS,
+            naive_size: int = NAIVE_SIZE) -> dict:
+    results: dict = {"sizes": list(sizes), "per_round_ns": {}, "ratio_1m_1k": {}}
     for name in POLICIES:
-        costs = [per_round_ns(name, size) for size in SIZES]
+        costs = [per_round_ns(name, size, num_rounds) for size in sizes]
         results["per_round_ns"][name] = costs
         results["ratio_1m_1k"][name] = costs[-1] / costs[0]
         cells = "  ".join(f"{cost:8.0f}" for cost in costs)
         print(f"{name:<8} {cells}   1M/1k = {costs[-1] / costs[0]:.2f}", flush=True)
-    naive, fast = naive_lfu_victim_ns(NAIVE_SIZE), lfu_victim_ns(NAIVE_SIZE)
+    naive, fast = naive_lfu_victim_ns(naive_size), lfu_victim_ns(naive_size)
     results["lfu_vs_naive_at_50k"] = {"naive_ns": naive, "lfu_ns": fast, "speedup": naive / fast}
-    print(f"LFU victim at {NAIVE_SIZE}: naive min() {naive / 1e3:.0f} us, kvd {fast:.0f} ns "
+    print(f"LFU victim at {naive_size}: naive min() {naive / 1e3:.0f} us, kvd {fast:.0f} ns "
           f"-> {naive / fast:.0f}x (goal >= 1000x)")
     return results
 
@@ -95,6 +96,25 @@ def plot(results: dict, path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     pyplot.close(figure)
+
+
+def run_bench(quick: bool, out: Path) -> str:
+    """`python -m bench` calls this: measure (quick: 1k and 4k blocks), write JSON and PNG,
+    return a markdown section."""
+    from bench.common import markdown_table
+
+    results = measure((1_000, 4_000), 2_000, 2_000) if quick else measure()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "policies.json").write_text(json.dumps(results, indent=1))
+    plot(results, out / "policies.png")
+    rows = [[name, *(f"{cost:.0f}" for cost in costs), f"{results['ratio_1m_1k'][name]:.2f}"]
+            for name, costs in results["per_round_ns"].items()]
+    naive = results["lfu_vs_naive_at_50k"]
+    return ("## Policies: ns per insert + victim + access vs evictable blocks (bench/policies.py)"
+            "\n\n" + markdown_table(["policy", *(f"{size:,}" for size in results["sizes"]),
+                                      "largest / smallest"], rows)
+            + f"\nLFU victim vs a naive min() LFU: {naive['speedup']:,.0f}x faster "
+            f"({naive['lfu_ns']:.0f} ns vs {naive['naive_ns'] / 1e3:,.0f} µs).\n")
 
 
 def main(argv: list[str] | None = None) -> int:

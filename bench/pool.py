@@ -177,6 +177,26 @@ def print_tables(results: dict) -> None:
                 f"{ops[op]['blocks_per_s'] / 1e3:9.0f}" for op in OPS))
 
 
+def run_bench(quick: bool, out: Path) -> str:
+    """`python -m bench` calls this: the default policy and LRU at 1M blocks (quick: LRU at 10k
+    blocks); writes pool.json, returns the printed tables as a markdown section."""
+    import contextlib
+    import io
+
+    from kvd.policies import DEFAULT_POLICY
+
+    policies = ["lru"] if quick else ["lru", DEFAULT_POLICY]
+    results = run(policies, 10_000 if quick else 1_000_000, 4096 if quick else 65_536,
+                  4096 if quick else 65_536)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pool.json").write_text(json.dumps(results, indent=2))
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        print_tables(results)
+    return ("## BlockPool: build time, bytes per block, op throughput (bench/pool.py)\n\n"
+            "```text" + text.getvalue() + "```\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-blocks", type=int, default=1_000_000)

@@ -1,0 +1,320 @@
+"""Control plane: round trip of alloc, seal, release and lookup through a real daemon vs the floor.
+
+The floor is a minimal msgpack echo server on the same kind of Unix socket, measured in the same
+run: same framing (4-byte big-endian length + msgpack body), a `selectors` loop that decodes each
+request and answers `[id, True, None]`, driven by a minimal client that sends the very same
+request bodies kvd's client sends. Whatever kvd costs above it is the daemon's and the client
+library's own work: validation, the pool, the reply, the metrics.
+
+Each round at batch size B: alloc(B) → seal(B ids, B fresh hashes) → release (now CACHED) →
+lookup(B hashes) (pinned again) → release. Every kvd call is followed by the same request body
+sent to the echo floor, so both see the same machine noise and the same wake-up cost (each
+server has been idle for exactly one call when it is asked). The pool is large enough that no
+allocation evicts: this measures the request path (eviction costs are bench/pool.py's).
+Daemons: `kvd start --no-journal` and journaled (seals committed to SQLite before the reply).
+
+Goals (issue 5): p50 <= 1.3x the floor at batch 1; >= 500,000 block-ops/s at batch 256.
+
+    python -m bench.control_plane [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import selectors
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from bench.common import (
+    ROOT,
+    Daemon,
+    child_env,
+    markdown_table,
+    percentiles,
+    progress,
+    pyplot,
+    save_plot,
+    write_json,
+)
+
+BATCH_SIZES = (1, 16, 256)
+OPS = ("alloc", "seal", "release", "lookup")
+NUM_BLOCKS = 1 << 18  # nothing is evicted in a run: eviction is bench/pool.py's
+GOAL_RATIO_BATCH1 = 1.3
+GOAL_BLOCK_OPS_PER_S = 500_000
+_LENGTH = struct.Struct(">I")
+
+
+# ---- the floor: echo server and client ------------------------------------------------------
+def serve_echo(socket_path: str) -> None:
+    """Answer every frame with `[id, True, None]` until SIGTERM; one selectors loop."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(512)
+    listener.setblocking(False)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, None)
+    buffers: dict[socket.socket, bytearray] = {}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while True:
+        for key, _ in selector.select():
+            if key.data is None:
+                sock, _ = listener.accept()
+                sock.setblocking(False)
+                buffers[sock] = bytearray()
+                selector.register(sock, selectors.EVENT_READ, sock)
+            else:
+                _echo(key.data, buffers, selector)
+
+
+def _echo(sock: socket.socket, buffers: dict[socket.socket, bytearray],
+          selector: selectors.BaseSelector) -> None:
+    data = sock.recv(65536)  # not 256 KiB: malloc would mmap and munmap it on every call
+    if not data:
+        selector.unregister(sock)
+        del buffers[sock]
+        sock.close()
+        return
+    buffer = buffers[sock]
+    buffer += data
+    replies, offset = [], 0
+    while len(buffer) - offset >= 4:
+        (nbytes,) = _LENGTH.unpack_from(buffer, offset)
+        end = offset + 4 + nbytes
+        if end > len(buffer):
+            break
+        request = msgpack.unpackb(buffer[offset + 4:end])
+        body = msgpack.packb([request[0], True, None])
+        replies.append(_LENGTH.pack(len(body)) + body)
+        offset = end
+    del buffer[:offset]
+    sock.sendall(b"".join(replies))
+
+
+class EchoClient:
+    """The floor's client: pack, send, read one reply — nothing else."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(socket_path)
+        self._next_id = 1
+
+    def call(self, op: str, args: dict[str, Any]) -> Any:
+        request_id = self._next_id
+        self._next_id += 1
+        body = msgpack.packb([request_id, op, args])
+        self.sock.sendall(_LENGTH.pack(len(body)) + body)
+        data = self.sock.recv(65536)
+        while len(data) < 4 or len(data) < 4 + _LENGTH.unpack_from(data)[0]:
+            data += self.sock.recv(65536)
+        return msgpack.unpackb(data[4:])[2]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class EchoServer:
+    """The echo server in a subprocess (its own interpreter, as the daemon has); context manager."""
+
+    def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="kvde-", dir="/tmp")
+        self.socket_path = os.path.join(self.directory, "echo.sock")
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.control_plane", "--echo-server",
+                                      self.socket_path], env=child_env(), cwd=ROOT)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                EchoClient(self.socket_path).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("the echo server did not start") from None
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> EchoServer:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+
+# ---- one round ------------------------------------------------------------------------------
+def digests(start: int, count: int) -> list[bytes]:
+    """Distinct 16-byte content hashes (the size kvd.hash_blocks makes)."""
+    return [i.to_bytes(16, "little") for i in range(start, start + count)]
+
+
+def interleaved_round(client: Any, echo: EchoClient, hashes: list[bytes],
+                      kvd_samples: dict[str, list[int]],
+                      echo_samples: dict[str, list[int]]) -> None:
+    """alloc, seal, release, lookup, release through kvd, each call followed by the same request
+    body through the echo floor (so each server has been idle for one call when it is asked)."""
+    clock = time.perf_counter_ns
+
+    def step(op: str, args: dict[str, Any], call: Any) -> Any:
+        start = clock()
+        result = call()
+        kvd_samples[op].append(clock() - start)
+        start = clock()
+        echo.call(op, args)
+        echo_samples[op].append(clock() - start)
+        return result
+
+    block_ids = step("alloc", {"num_blocks": len(hashes)}, lambda: client.alloc(len(hashes)))
+    step("seal", {"block_ids": block_ids, "hashes": hashes},
+         lambda: client.seal(block_ids, hashes))
+    step("release", {"block_ids": block_ids}, lambda: client.release(block_ids))
+    found = step("lookup", {"hashes": hashes}, lambda: client.lookup(hashes))
+    step("release", {"block_ids": found}, lambda: client.release(found))
+    if found != block_ids:
+        raise RuntimeError(f"lookup found {len(found)} of {len(hashes)} blocks just sealed")
+
+
+def measure(daemon: Daemon, echo_path: str, batch_size: int, num_rounds: int,
+            first_key: int) -> dict[str, Any]:
+    """Alternate kvd and echo rounds; p50/p99 per op for both and their ratio."""
+    kvd_samples: dict[str, list[int]] = {op: [] for op in OPS}
+    echo_samples: dict[str, list[int]] = {op: [] for op in OPS}
+    with daemon.connect() as client:
+        echo = EchoClient(echo_path)
+        try:
+            for round_number in range(num_rounds + 5):
+                hashes = digests(first_key + round_number * batch_size, batch_size)
+                is_warm = round_number >= 5
+                interleaved_round(client, echo, hashes, kvd_samples if is_warm else _scratch(),
+                                  echo_samples if is_warm else _scratch())
+        finally:
+            echo.close()
+    row: dict[str, Any] = {}
+    for op in OPS:
+        mine, floor = percentiles(kvd_samples[op]), percentiles(echo_samples[op])
+        row[op] = {"kvd": mine, "echo": floor, "p50_ratio": mine["p50_us"] / floor["p50_us"],
+                   "block_ops_per_s": batch_size / (mine["p50_us"] / 1e6)}
+    cycle_ns = sum(sum(kvd_samples[op]) for op in OPS) / num_rounds
+    row["cycle_block_ops_per_s"] = 5 * batch_size / (cycle_ns / 1e9)
+    return row
+
+
+def _scratch() -> dict[str, list[int]]:
+    """Samples of warm-up rounds, thrown away."""
+    return {op: [] for op in OPS}
+
+
+# ---- driver ---------------------------------------------------------------------------------
+def rounds_for(batch_size: int, quick: bool) -> int:
+    base = {1: 3000, 16: 2000, 256: 400}[batch_size]
+    return base // 20 if quick else base
+
+
+def run(quick: bool) -> dict[str, Any]:
+    results: dict[str, Any] = {"num_blocks": NUM_BLOCKS, "goal_p50_ratio_batch1": GOAL_RATIO_BATCH1,
+                               "goal_block_ops_per_s_batch256": GOAL_BLOCK_OPS_PER_S,
+                               "cpus": os.cpu_count(), "daemons": {}}
+    with EchoServer() as echo:
+        for mode, journal in (("no-journal", False), ("journal", True)):
+            rows = {}
+            with Daemon(NUM_BLOCKS, journal=journal) as daemon:
+                next_key = 0
+                for batch_size in BATCH_SIZES:
+                    num_rounds = rounds_for(batch_size, quick)
+                    progress(f"control plane: {mode}, batch {batch_size}, {num_rounds} rounds")
+                    rows[str(batch_size)] = measure(daemon, echo.socket_path, batch_size,
+                                                    num_rounds, next_key)
+                    next_key += (num_rounds + 5) * batch_size
+            results["daemons"][mode] = rows
+    return results
+
+
+def markdown(results: dict[str, Any]) -> str:
+    rows = []
+    for mode, by_batch in results["daemons"].items():
+        for batch, row in by_batch.items():
+            for op in OPS:
+                cell = row[op]
+                rows.append([mode, batch, op, f"{cell['kvd']['p50_us']:.1f}",
+                             f"{cell['kvd']['p99_us']:.1f}", f"{cell['echo']['p50_us']:.1f}",
+                             f"{cell['echo']['p99_us']:.1f}", f"{cell['p50_ratio']:.2f}x",
+                             f"{cell['block_ops_per_s']:,.0f}"])
+    table = markdown_table(["daemon", "batch", "op", "kvd p50 µs", "kvd p99 µs", "echo p50 µs",
+                            "echo p99 µs", "p50 / floor", "block-ops/s (p50)"], rows)
+    base = results["daemons"]["no-journal"]
+    worst_ratio = max(base["1"][op]["p50_ratio"] for op in OPS)
+    slowest = min(base["256"][op]["block_ops_per_s"] for op in OPS)
+    goals = (f"Goals (no journal): p50 at batch 1 is at most {worst_ratio:.2f}x the echo floor "
+             f"(goal <= {GOAL_RATIO_BATCH1}x: {'met' if worst_ratio <= GOAL_RATIO_BATCH1 else 'NOT met'}); "
+             f"the slowest op at batch 256 does {slowest:,.0f} block-ops/s, a full "
+             f"alloc/seal/release/lookup/release cycle {base['256']['cycle_block_ops_per_s']:,.0f} "
+             f"(goal >= {GOAL_BLOCK_OPS_PER_S:,}: "
+             f"{'met' if slowest >= GOAL_BLOCK_OPS_PER_S else 'NOT met'}).")
+    return ("## Control plane: round trip vs a msgpack echo server (bench/control_plane.py)\n\n"
+            + table + "\n" + goals + "\n")
+
+
+def plot(results: dict[str, Any], out: Path) -> Path:
+    plt = pyplot()
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    base = results["daemons"]["no-journal"]
+    batches = list(base)
+    width = 0.18
+    for i, op in enumerate(OPS):
+        x = [j + i * width for j in range(len(batches))]
+        axes[0].bar(x, [base[b][op]["p50_ratio"] for b in batches], width, label=op)
+    axes[0].axhline(1.0, color="black", linewidth=0.8)
+    axes[0].axhline(GOAL_RATIO_BATCH1, color="red", linestyle="--", linewidth=0.8,
+                    label=f"goal {GOAL_RATIO_BATCH1}x (batch 1)")
+    axes[0].set(xticks=[j + 1.5 * width for j in range(len(batches))], xticklabels=batches,
+                xlabel="batch size", ylabel="kvd p50 / echo p50",
+                title="Round trip vs the echo floor (no journal)")
+    axes[0].legend(fontsize=8)
+    for mode, by_batch in results["daemons"].items():
+        axes[1].plot([int(b) for b in by_batch],
+                     [min(by_batch[b][op]["block_ops_per_s"] for op in OPS) for b in by_batch],
+                     marker="o", label=f"kvd {mode} (slowest op)")
+    axes[1].axhline(GOAL_BLOCK_OPS_PER_S, color="red", linestyle="--", linewidth=0.8, label="goal")
+    axes[1].set(xscale="log", yscale="log", xlabel="batch size", ylabel="block-ops/s (p50)",
+                title="Throughput per connection")
+    axes[1].legend(fontsize=8)
+    return save_plot(figure, out, "control_plane")
+
+
+def run_bench(quick: bool, out: Path) -> str:
+    """The harness entry point: measure, write JSON and PNG, return the markdown section."""
+    results = run(quick)
+    write_json(out, "control_plane", results)
+    plot(results, out)
+    return markdown(results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run (few rounds)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--echo-server", metavar="SOCKET", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.echo_server:
+        serve_echo(args.echo_server)
+        return 0
+    print(run_bench(args.quick, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Scaling with workers: aggregate requests/s of N client processes, kvd vs the echo floor.
+
+N worker processes each open their own session and repeat the control plane's batch-1 cycle
+(alloc, seal, release, lookup, release) as fast as they can for a fixed time; the echo floor of
+bench/control_plane.py gets the same N clients sending the same request bodies. The daemon is one
+thread, as is the echo server, so both saturate one core: the ratio says how much of a core kvd
+spends per request beyond the floor's framing and syscalls. The worker counts are an argument
+(`--workers 1,2,4,8,16`), so the same script runs on a 16-core host, where the goal is >= 0.8x
+the floor's throughput at 8 workers. The default goes up to the host's core count (at least 4).
+
+    python -m bench.scaling [--quick] [--workers 1,2,4] [--duration-s 2] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import ROOT, Daemon, markdown_table, progress, pyplot, save_plot, write_json
+from bench.control_plane import EchoClient, EchoServer
+
+NUM_BLOCKS = 1 << 18  # nothing is evicted in a run: eviction is bench/pool.py's
+GOAL_RATIO_AT_8 = 0.8
+KEYS_PER_WORKER = 1 << 40  # disjoint hash ranges per worker and run
+
+
+def default_worker_counts() -> list[int]:
+    limit = max(4, os.cpu_count() or 1)
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+def kvd_cycle(client: Any, key: bytes) -> None:
+    block_ids = client.alloc(1)
+    client.seal(block_ids, [key])
+    client.release(block_ids)
+    client.release(client.lookup([key]))
+
+
+def echo_cycle(echo: EchoClient, key: bytes, block_ids: list[int]) -> None:
+    echo.call("alloc", {"num_blocks": 1})
+    echo.call("seal", {"block_ids": block_ids, "hashes": [key]})
+    echo.call("release", {"block_ids": block_ids})
+    echo.call("lookup", {"hashes": [key]})
+    echo.call("release", {"block_ids": block_ids})
+
+
+def worker(kind: str, socket_path: str, first_key: int, duration_s: float,
+           start: Any, results: Any) -> None:
+    """Run cycles until `duration_s` after `start` is set; put (requests, seconds) on `results`."""
+    if kind == "kvd":
+        import kvd
+        client = kvd.connect(socket_path, reconnect_timeout_s=0)
+        cycle = lambda key: kvd_cycle(client, key)
+    else:
+        client = EchoClient(socket_path)
+        cycle = lambda key: echo_cycle(client, key, [first_key % 65_536])
+    keys = (key.to_bytes(16, "little") for key in itertools.count(first_key))
+    start.wait()
+    began = time.perf_counter()
+    deadline = began + duration_s
+    num_cycles = 0
+    while time.perf_counter() < deadline:
+        cycle(next(keys))
+        num_cycles += 1
+    results.put((5 * num_cycles, time.perf_counter() - began))
+    client.close()
+
+
+def measure(kind: str, socket_path: str, num_workers: int, duration_s: float,
+            run_index: int) -> float:
+    """Aggregate requests/s of `num_workers` processes."""
+    context = multiprocessing.get_context("fork")
+    start, results = context.Event(), context.Queue()
+    procs = [context.Process(target=worker, args=(
+        kind, socket_path, (run_index * 64 + i) * KEYS_PER_WORKER, duration_s, start, results))
+        for i in range(num_workers)]
+    for proc in procs:
+        proc.start()
+    time.sleep(0.2 + 0.05 * num_workers)  # let every worker connect before the clock starts
+    start.set()
+    shares = [results.get(timeout=60 + duration_s) for _ in procs]
+    for proc in procs:
+        proc.join()
+    if any(proc.exitcode for proc in procs):
+        raise RuntimeError(f"a {kind} worker failed")
+    return sum(count for count, _ in shares) / max(seconds for _, seconds in shares)
+
+
+def run(worker_counts: list[int], duration_s: float) -> dict[str, Any]:
+    results: dict[str, Any] = {"cpus": os.cpu_count(), "duration_s": duration_s,
+                               "goal_ratio_at_8_workers": GOAL_RATIO_AT_8, "rows": []}
+    with EchoServer() as echo, Daemon(NUM_BLOCKS) as daemon:
+        for run_index, num_workers in enumerate(worker_counts):
+            progress(f"scaling: {num_workers} workers, {duration_s} s each for kvd and echo")
+            kvd_rate = measure("kvd", daemon.socket_path, num_workers, duration_s, 2 * run_index)
+            echo_rate = measure("echo", echo.socket_path, num_workers, duration_s,
+                                2 * run_index + 1)
+            results["rows"].append({"workers": num_workers, "kvd_requests_per_s": kvd_rate,
+                                    "echo_requests_per_s": echo_rate,
+                                    "ratio": kvd_rate / echo_rate})
+    return results
+
+
+def markdown(results: dict[str, Any]) -> str:
+    rows = [[r["workers"], f"{r['kvd_requests_per_s']:,.0f}", f"{r['echo_requests_per_s']:,.0f}",
+             f"{r['ratio']:.2f}x"] for r in results["rows"]]
+    table = markdown_table(["workers", "kvd requests/s", "echo requests/s", "kvd / floor"], rows)
+    note = (f"{results['cpus']} CPUs; batch-1 requests (alloc, seal, release, lookup, release), "
+            f"{results['duration_s']} s per point. On a 16-core host the goal is >= "
+            f"{GOAL_RATIO_AT_8}x the floor at 8 workers (`python -m bench.scaling --workers "
+            "1,2,4,8,16`); with fewer cores than workers + 1, client and server share CPUs and "
+            "the ratio mostly reflects per-request CPU on both sides.")
+    return ("## Scaling with worker processes (bench/scaling.py)\n\n" + table + "\n" + note + "\n")
+
+
+def plot(results: dict[str, Any], out: Path) -> Path:
+    plt = pyplot()
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    workers = [r["workers"] for r in results["rows"]]
+    axes.plot(workers, [r["kvd_requests_per_s"] for r in results["rows"]], marker="o",
+              label="kvd daemon")
+    axes.plot(workers, [r["echo_requests_per_s"] for r in results["rows"]], marker="s",
+              label="msgpack echo floor")
+    axes.set(xscale="log", xticks=workers, xticklabels=[str(w) for w in workers],
+             xlabel="worker processes", ylabel="aggregate requests/s",
+             title=f"Scaling with workers ({results['cpus']} CPUs)")
+    axes.set_ylim(bottom=0)
+    axes.legend()
+    return save_plot(figure, out, "scaling")
+
+
+def run_bench(quick: bool, out: Path, worker_counts: list[int] | None = None,
+              duration_s: float | None = None) -> str:
+    counts = worker_counts or ([1, 2] if quick else default_worker_counts())
+    results = run(counts, duration_s or (0.3 if quick else 2.0))
+    write_json(out, "scaling", results)
+    plot(results, out)
+    return markdown(results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run (1 and 2 workers)")
+    parser.add_argument("--workers", help="comma-separated worker counts (default: 1, 2, 4, ... "
+                        "up to the core count)")
+    parser.add_argument("--duration-s", type=float, help="seconds per point (default 2)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args(argv)
+    counts = [int(n) for n in args.workers.split(",")] if args.workers else None
+    print(run_bench(args.quick, args.out, counts, args.duration_s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

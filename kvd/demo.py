@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     parser.add_argument("--policy", default=None, help="eviction policy (default: kvd's default)")
+    parser.add_argument("--engine", choices=("numpy", "transformers"), default="numpy",
+                        help="numpy: workers/attention.py; transformers: a Hugging Face Llama "
+                             "on kvd (workers/hf_generate.py, needs the `engines` extra)")
 
 
 def _child_env() -> dict[str, str]:
@@ -82,12 +85,29 @@ def _daemon_command(args: argparse.Namespace, name: str) -> list[str]:
 
 
 def _worker_command(args: argparse.Namespace, name: str, worker_id: int) -> list[str]:
-    return [sys.executable, "-m", "workers.attention", "--name", name, "--json",
-            "--worker-id", str(worker_id), "--num-workers", str(args.workers),
-            "--system-prompts", str(args.system_prompts),
-            "--system-tokens", str(args.system_tokens), "--conversations", str(args.conversations),
-            "--turns", str(args.turns), "--user-tokens", str(args.user_tokens),
-            "--new-tokens", str(args.new_tokens)]
+    common = ["--name", name, "--json", "--worker-id", str(worker_id),
+              "--num-workers", str(args.workers), "--system-prompts", str(args.system_prompts),
+              "--system-tokens", str(args.system_tokens), "--user-tokens", str(args.user_tokens),
+              "--new-tokens", str(args.new_tokens)]
+    if args.engine == "transformers":  # one-shot requests; the model's shape is the pool's
+        return [sys.executable, "-m", "workers.hf_generate", *common,
+                "--requests", str(args.workers * args.conversations),
+                "--layers", str(args.layers), "--kv-heads", str(args.kv_heads),
+                "--head-dim", str(args.head_dim), "--dtype", args.dtype]
+    return [sys.executable, "-m", "workers.attention", *common,
+            "--conversations", str(args.conversations), "--turns", str(args.turns)]
+
+
+def _as_demo_row(report: dict) -> dict:
+    """A workers/hf_generate.py report in workers/attention.py's terms (format_workers')."""
+    if "tokens_per_s" in report:
+        return report
+    return {"worker_id": report["worker_id"], "requests": report["requests"],
+            "new_tokens": report["generated_tokens"],
+            "tokens_per_s": report["generated_tokens"] / max(report["wall_s"], 1e-9),
+            "prefix_hit_ratio": report["skipped_prefill_tokens"] / max(report["prompt_tokens"], 1),
+            "cached_tokens": report["skipped_prefill_tokens"],
+            "prompt_tokens": report["prompt_tokens"]}
 
 
 def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
@@ -154,7 +174,7 @@ def run_workers(args: argparse.Namespace, name: str) -> list[dict]:
     if failed:
         raise KvdError(f"demo workers {failed} failed (their errors are above); for a "
                        "NoSpaceError give the pool more --num-blocks or the workload fewer tokens")
-    return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    return [_as_demo_row(json.loads(out.strip().splitlines()[-1])) for out in outputs]
 
 
 def format_workers(results: list[dict], wall_s: float) -> str:
@@ -187,6 +207,12 @@ def _leftovers(name: str) -> list[str]:
     return [path for path in candidates if os.path.exists(path)]
 
 
+def _has_engines() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(module) for module in ("torch", "transformers"))
+
+
 def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # unwinds through the same cleanup as Ctrl-C
 
@@ -199,6 +225,10 @@ def run(args: argparse.Namespace) -> int:
     if not (SOURCE_ROOT / "workers" / "attention.py").is_file():
         print(f"kvd demo: needs the workers/ package next to kvd/ in {SOURCE_ROOT}: run it from "
               "a source checkout of kvd", file=sys.stderr)
+        return 1
+    if args.engine == "transformers" and not _has_engines():
+        print("kvd demo: --engine transformers needs torch and transformers: "
+              "pip install -e '.[engines]'", file=sys.stderr)
         return 1
     name = f"demo-{os.getpid()}-{secrets.token_hex(3)}"
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
@@ -231,9 +261,12 @@ def _run_demo(args: argparse.Namespace, name: str) -> int:
             print(f"kvd demo: daemon {name!r}: {g.num_blocks} blocks of {g.block_size} tokens, "
                   f"{g.num_layers} layers x {g.num_kv_heads} KV heads x {g.head_dim}, {g.dtype} "
                   f"({g.pool_nbytes / 2**20:.1f} MiB), policy {client.stats()['policy']}")
-            print(f"{args.workers} workers x {args.conversations} conversations x {args.turns} "
-                  f"turns; {args.system_prompts} system prompts of {args.system_tokens} tokens "
-                  f"shared by all workers; {args.new_tokens} tokens generated per turn\n",
+            work = (f"{args.conversations} requests (transformers Llama)"
+                    if args.engine == "transformers"
+                    else f"{args.conversations} conversations x {args.turns} turns")
+            print(f"{args.workers} workers x {work}; {args.system_prompts} system prompts of "
+                  f"{args.system_tokens} tokens shared by all workers; {args.new_tokens} tokens "
+                  "generated per request\n",
                   flush=True)  # a reader on a pipe sees progress before the workers finish
             workers_started = time.perf_counter()
             results = run_workers(args, name)

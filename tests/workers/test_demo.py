@@ -34,6 +34,24 @@ def test_demo_runs_and_cleans_up(worker_env: dict, source_root: Path) -> None:
     assert _our_demo_segments() == before
 
 
+def test_demo_with_the_transformers_engine(worker_env: dict, source_root: Path) -> None:
+    if os.environ.get("KVD_REQUIRE_ENGINES") != "1":
+        pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[engines]'")
+        pytest.importorskip("transformers", reason="transformers is not installed")
+    before = _our_demo_segments()
+    done = subprocess.run([sys.executable, "-m", "kvd.cli", "demo", "--engine", "transformers",
+                           "--workers", "2", "--conversations", "2", "--system-prompts", "1",
+                           "--system-tokens", "64", "--user-tokens", "16", "--new-tokens", "4",
+                           "--head-dim", "32", "--num-blocks", "64"],
+                          env=worker_env, cwd=source_root, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # 4 requests of 80 tokens: whichever runs second finds the 64-token system prompt cached
+    match = re.search(r"^\s+all\s+4\s+16\s+\d+\s+[\d.]+%\s+(\d+) of 320", done.stdout, re.M)
+    assert match and int(match.group(1)) >= 64, done.stdout
+    assert _our_demo_segments() == before
+
+
 def test_demo_interrupted_stops_daemon_and_workers(worker_env: dict, source_root: Path) -> None:
     before = _our_demo_segments()
     env = {k: v for k, v in worker_env.items() if k != "PYTHONUNBUFFERED"}  # a real pipe

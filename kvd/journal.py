@@ -7,33 +7,70 @@ the segment; what dies is the in-memory map from content hash to block. The jour
 map in SQLite (WAL mode, `synchronous=NORMAL`: a committed transaction survives the process
 crashing — only an OS crash or power loss can lose the last commits, and those lose /dev/shm too).
 
+The map is kept as an append-only log of packed records (a log-structured design, as in
+Rosenblum and Ousterhout's LFS), not as one table row per block:
+
     stamp(key, value)   journal/layout/hash versions, geometry, segment uuid, boot id
-    blocks(block_id PK, hash, seal_seq, generation, parent, parent_generation, tier)
-                        one row per *indexed* sealed block, with its place in the prefix tree
+    log(chunk_id PK, key_width, records)
+                        one row -- a *chunk* -- per group commit or compaction step; `records`
+                        packs at most MAX_CHUNK_RECORDS records, each 35 + key_width bytes:
+
+    0          8            16                  24         28       32     33     34           35
+    +----------+------------+-------------------+----------+--------+------+------+------------+-----
+    | seal_seq | generation | parent_generation | block_id | parent | kind | tier | key_nbytes | key
+    +----------+------------+-------------------+----------+--------+------+------+------------+-----
+      u64        u64          u64                 i32        i32      u8     u8     u8           key_width
+                                                                                    bytes, zero padded
+    little-endian, unaligned: one NumPy structured dtype decodes a whole log at once.
+
+A SEAL record is an indexed block's row, with its place in the prefix tree; an EVICT record (a
+tombstone; only block_id is set) says the block no longer holds it. Replay rule: a block's last
+record in log order (chunk id, then position) decides, and the live rows come back sorted by
+seal_seq (oldest seal first, parents before their children). Why a log: a table row per block put
+every sealed block on its own 4 KiB B-tree page (block ids are random once the pool churns), so a
+commit of 16 seals wrote 16+ pages to the WAL (~185 us); an append writes the last page or two.
+Recovery reads a few large BLOBs instead of a million 7-column rows.
 
 Generations make the rows self-checking: a block's generation changes whenever it is freed, so
 recovery restores a row only if the segment still shows the generation the row recorded, and
 links a child under its parent only if the parent is the same residency the child was sealed
-under — a parent block evicted and reused for other content is never mistaken for the old one.
+under -- a parent block evicted and reused for other content is never mistaken for the old one.
+
+Compaction keeps the log, and so recovery, bounded. Superseded SEAL records and tombstones are
+dead weight; the journal knows in memory which chunk holds each block's live SEAL record
+(`_LogState.chunk_of`). Whenever the log holds more than `compact_factor` x live records +
+`min_compact_records`, each commit also *cleans* the oldest chunks, about max(COMPACT_BUDGET,
+2 x appended) records' worth, in its own transaction: live records are copied verbatim to new
+chunks at the tail and the cleaned chunks deleted. This never changes what replay yields: a moved
+record is its block's last record and stays so (it was live), its seal_seq keeps the seal order,
+and a dropped tombstone has no older record of its block left (those sit in the same or older
+chunks, cleaned first). Work per commit is bounded (no stall), and amortised it is O(records
+appended): a chunk is cleaned only when the log holds more dead records than live ones overall.
 
 Write rule (what makes recovery trustworthy):
-  * a seal is acknowledged only after its row is committed — otherwise a client could be told
-    "sealed" for a block that recovery would not restore;
-  * an eviction's DELETE is committed before the evicted block's new owner hears its id — the new
-    owner overwrites the bytes, and a surviving row would then restore garbage under the old hash.
+  * a seal is acknowledged only after its record is committed -- otherwise a client could be
+    told "sealed" for a block that recovery would not restore;
+  * an eviction's tombstone is committed before the evicted block's new owner hears its id --
+    the new owner overwrites the bytes, and a surviving row would then restore garbage under the
+    old hash.
 The daemon guarantees both by holding every reply of a loop iteration until `commit()` returns
-(a group commit: one transaction per iteration however many clients sealed in it).
+(a group commit: one transaction per iteration however many clients sealed in it). Within one
+commit, tombstones precede seals, and a block sealed and evicted since the last commit leaves
+only its tombstone.
 
 Only indexed seals are journaled: unsealed (OWNED) blocks and private duplicates die with their
-sessions anyway, and old sessions' pins are dropped on recovery — every restored block is CACHED.
+sessions anyway, and old sessions' pins are dropped on recovery -- every restored block is CACHED.
+Keys are bytes of 1 to 255 bytes (the daemon allows 64; kvd.hash_blocks makes 16).
 
 Failpoints: `KVD_FAILPOINT=<name>` makes the daemon SIGKILL itself at that point, so tests can
-crash it exactly there: before-commit, after-commit-before-reply, mid-eviction, during-recovery.
+crash it exactly there: before-commit, after-commit-before-reply, mid-eviction, during-recovery,
+mid-compaction (inside a compaction step's transaction, before it commits).
 `KVD_JOURNAL_FAIL_FILE=<path>` makes every journal write fail while that file exists.
 
 A failed commit puts the daemon in fail-closed mode: it refuses allocations and seals with a
 JOURNAL error (lookups, reads and releases go on), and about once a second tries to rewrite the
-whole index; the first rewrite that succeeds ends the mode.
+whole index; the first rewrite that succeeds ends the mode. A failed write also makes the journal
+forget its in-memory view of the log; the next write rebuilds it from the database.
 """
 
 from __future__ import annotations
@@ -42,31 +79,56 @@ import json
 import os
 import signal
 import sqlite3
-from operator import itemgetter
+import struct
+from array import array
+from collections import deque
+from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvd.errors import JournalError
 from kvd.pool import IndexRows
 
-_INSERT = "INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?, ?, ?, ?)"
-FAILPOINTS = ("before-commit", "after-commit-before-reply", "mid-eviction", "during-recovery")
+FAILPOINTS = ("before-commit", "after-commit-before-reply", "mid-eviction", "during-recovery",
+              "mid-compaction")
 JOURNAL_FILENAME = "journal.sqlite3"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS stamp (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS blocks (
-    block_id INTEGER PRIMARY KEY,
-    hash BLOB NOT NULL,
-    seal_seq INTEGER NOT NULL,
-    generation INTEGER NOT NULL,
-    parent INTEGER NOT NULL,
-    parent_generation INTEGER NOT NULL,
-    tier INTEGER NOT NULL
+CREATE TABLE IF NOT EXISTS log (
+    chunk_id INTEGER PRIMARY KEY,
+    key_width INTEGER NOT NULL,
+    records BLOB NOT NULL
 );
 """
 # Bumped whenever the schema changes: a journal of another version never matches the stamp.
-JOURNAL_VERSION = 2
+JOURNAL_VERSION = 3
+
+SEAL, EVICT = 1, 2
+_HEADER_FIELDS = [("seal_seq", "<u8"), ("generation", "<u8"), ("parent_generation", "<u8"),
+                  ("block_id", "<i4"), ("parent", "<i4"), ("kind", "u1"), ("tier", "u1"),
+                  ("key_nbytes", "u1")]
+MAX_KEY_NBYTES = 255  # key_nbytes is one byte
+DEFAULT_KEY_WIDTH = 16  # kvd.hash_blocks: chunks of tombstones only use it too, so runs stay long
+# A chunk is what one compaction step reads or writes at a time: 4096 records of 16-byte keys
+# are 200 KiB, a fraction of a millisecond to decode and rewrite.
+MAX_CHUNK_RECORDS = 4096
+COMPACT_BUDGET = 1024  # records a compaction step cleans at least (whole chunks, oldest first)
+_CHUNK = tuple[int, int]  # (chunk id, number of records)
+_SealRow = tuple[int, bytes, int, int, int, int]  # block_id, key, generation, parent, pgen, tier
+
+
+@cache
+def _record_dtype(key_width: int) -> np.dtype:
+    return np.dtype(_HEADER_FIELDS + [("key", "u1", (key_width,))])
+
+
+@cache
+def _record_struct(key_width: int) -> struct.Struct:
+    return struct.Struct(f"<QQQiiBBB{key_width}s")
 
 
 def _inject_failure() -> None:
@@ -82,13 +144,53 @@ def failpoint(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class _LogState:
+    """What the journal knows of its log, kept in memory so that writes never read it back."""
+
+    def __init__(self) -> None:
+        self.chunk_of = array("q")  # per block id: the chunk holding its live SEAL record, or 0
+        self.chunks: deque[_CHUNK] = deque()  # every chunk, oldest first
+        self.num_records = 0
+        self.num_live = 0
+        self.seal_seq = 0  # the last seal_seq handed out
+        self.next_chunk_id = 1
+
+    def forget(self, block_ids: Sequence[int]) -> None:
+        """The blocks' live records (if any) are dead: tombstones were appended for them."""
+        chunk_of, size = self.chunk_of, len(self.chunk_of)
+        for block_id in block_ids:
+            if block_id < size and chunk_of[block_id]:
+                chunk_of[block_id] = 0
+                self.num_live -= 1
+
+    def place(self, block_id: int, chunk_id: int) -> None:
+        """`block_id`'s live SEAL record is now in `chunk_id`."""
+        chunk_of = self.chunk_of
+        if block_id >= len(chunk_of):  # grown by half again: amortised O(1) per block
+            chunk_of.frombytes(bytes(8 * (block_id + 1 - len(chunk_of) + len(chunk_of) // 2)))
+        if not chunk_of[block_id]:
+            self.num_live += 1
+        chunk_of[block_id] = chunk_id
+
+    def is_compaction_due(self, factor: float, min_records: int) -> bool:
+        return self.num_records > factor * self.num_live + min_records
+
+
 class Journal:
     """The hash-index journal in `state_dir`. Writes are buffered until `commit()`."""
 
-    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, state_dir: str | os.PathLike[str], compact_factor: float = 2.0,
+                 min_compact_records: int = 65_536) -> None:
+        """Args:
+            state_dir: directory of the journal files (made 0700 if missing).
+            compact_factor, min_compact_records: compaction starts when the log holds more than
+                compact_factor x live records + min_compact_records (module docstring).
+        """
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.path = self.state_dir / JOURNAL_FILENAME
+        self.compact_factor = compact_factor
+        self.min_compact_records = min_compact_records
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -98,25 +200,22 @@ class Journal:
             raise JournalError(f"cannot open the journal {self.path}: {exc}") from None
         os.chmod(self.path, 0o600)
         # Pending seals by block id: an eviction of a block sealed since the last commit drops
-        # its seal here (the DELETEs run first, so a buffered INSERT would outlive the eviction).
-        self._seals: dict[int, tuple[int, bytes, int, int, int, int, int]] = {}
-        self._evictions: list[tuple[int]] = []
+        # its seal here (tombstones are written first, so a buffered seal would outlive it).
+        self._seals: dict[int, _SealRow] = {}
+        self._evictions: list[int] = []
         self._num_pending = 0
-        row = self._db.execute("SELECT COALESCE(MAX(seal_seq), 0) FROM blocks").fetchone()
-        self._seal_seq = row[0]
+        self._log: _LogState | None = None  # None: unknown, rebuilt from the database when needed
 
     # ---- the pool observer interface (called from BlockPool) ------------------------------
     def sealed(self, block_id: int, key: Any, generation: int, parent: int,
                parent_generation: int, tier: int) -> None:
-        self._seal_seq += 1
-        self._seals[block_id] = (block_id, key, self._seal_seq, generation, parent,
-                                 parent_generation, tier)
+        self._seals[block_id] = (block_id, key, generation, parent, parent_generation, tier)
         self._num_pending += 1
 
     def evicted(self, block_id: int) -> None:
         failpoint("mid-eviction")
         self._seals.pop(block_id, None)
-        self._evictions.append((block_id,))
+        self._evictions.append(block_id)
         self._num_pending += 1
 
     # ---- committing ------------------------------------------------------------------------
@@ -129,39 +228,49 @@ class Journal:
         """Changes buffered since the last commit (grows whenever a handler touched the index)."""
         return self._num_pending
 
+    @property
+    def num_log_records(self) -> int:
+        """Records in the log, live and dead (reads the log if this journal has not yet)."""
+        return self._log_state().num_records
+
     def commit(self) -> None:
-        """Write every buffered change in one transaction. Raises JournalError on failure."""
+        """Write every buffered change in one transaction, then clean the log's oldest chunks
+        if it is due (in a second one). Raises JournalError on failure."""
         if not self.is_dirty:
             return
         evictions, seals = self._evictions, list(self._seals.values())
         self._clear_pending()
         failpoint("before-commit")
-        self._transaction(lambda: (
-            # Evictions first: a block evicted and re-sealed in one iteration keeps its new row.
-            self._db.executemany("DELETE FROM blocks WHERE block_id = ?", evictions),
-            self._db.executemany(_INSERT, seals)))
+        num_appended = self._transaction(lambda: self._append(self._log_state(), evictions, seals))
         failpoint("after-commit-before-reply")
+        log = self._log
+        if log.is_compaction_due(self.compact_factor, self.min_compact_records):
+            budget = max(COMPACT_BUDGET, 2 * num_appended)
+            self._transaction(lambda: self._compact(log, budget))
 
-    def rewrite(self, rows: list[tuple[int, bytes, int, int, int, int]]) -> None:
+    def rewrite(self, rows: Sequence[_SealRow]) -> None:
         """Replace every row with `rows` — (block_id, key, generation, parent, parent_generation,
         tier), oldest first — after a failed commit lost some changes."""
         self._clear_pending()
-        numbered = [(row[0], row[1], seq, *row[2:]) for seq, row in enumerate(rows, 1)]
-        self._transaction(lambda: (self._db.execute("DELETE FROM blocks"),
-                                   self._db.executemany(_INSERT, numbered)))
-        self._seal_seq = len(numbered)
+        fresh = _LogState()
+        self._transaction(lambda: (self._db.execute("DELETE FROM log"),
+                                   self._append(fresh, [], rows)))
+        self._log = fresh
 
     def _clear_pending(self) -> None:
         self._seals, self._evictions, self._num_pending = {}, [], 0
 
-    def _transaction(self, body: Any) -> None:
+    def _transaction(self, body: Any) -> Any:
+        """Run `body` in a transaction and return what it returns; JournalError if it fails."""
         try:
             _inject_failure()
             self._db.execute("BEGIN")
-            body()
+            result = body()
             self._db.execute("COMMIT")
+            return result
         except sqlite3.Error as exc:
             self._rollback()
+            self._log = None  # it may have seen changes that were rolled back
             raise JournalError(f"journal write to {self.path} failed: {exc}") from None
 
     def _rollback(self) -> None:
@@ -169,6 +278,73 @@ class Journal:
             self._db.execute("ROLLBACK")
         except sqlite3.Error:
             pass  # no transaction was open: nothing to undo
+
+    # ---- the log ---------------------------------------------------------------------------
+    def _append(self, log: _LogState, evictions: Sequence[int], seals: Sequence[_SealRow]) -> int:
+        """Append tombstones, then seals, as new chunks; returns how many records."""
+        log.forget(evictions)
+        key_width = max((len(row[1]) for row in seals), default=DEFAULT_KEY_WIDTH)
+        if key_width > MAX_KEY_NBYTES:
+            raise sqlite3.DataError(f"a key of {key_width} bytes: the journal keeps at most "
+                                    f"{MAX_KEY_NBYTES}")
+        pack = _record_struct(key_width).pack
+        records = [pack(0, 0, 0, block_id, 0, EVICT, 0, 0, b"") for block_id in evictions]
+        first_chunk_id, seal_seq = log.next_chunk_id, log.seal_seq
+        for block_id, key, generation, parent, parent_generation, tier in seals:
+            seal_seq += 1
+            log.place(block_id, first_chunk_id + len(records) // MAX_CHUNK_RECORDS)
+            records.append(pack(seal_seq, generation, parent_generation, block_id, parent, SEAL,
+                                tier, len(key), key))
+        log.seal_seq = seal_seq
+        self._write_chunks(log, key_width, [b"".join(records[start:start + MAX_CHUNK_RECORDS])
+                                            for start in range(0, len(records),
+                                                               MAX_CHUNK_RECORDS)])
+        return len(records)
+
+    def _write_chunks(self, log: _LogState, key_width: int, blobs: list[bytes]) -> None:
+        """Insert `blobs` as the next chunks, each of whole records of `key_width`."""
+        record_nbytes = _record_dtype(key_width).itemsize
+        first = log.next_chunk_id
+        self._db.executemany("INSERT INTO log VALUES (?, ?, ?)",
+                             [(first + i, key_width, blob) for i, blob in enumerate(blobs)])
+        for i, blob in enumerate(blobs):
+            log.chunks.append((first + i, len(blob) // record_nbytes))
+            log.num_records += len(blob) // record_nbytes
+        log.next_chunk_id = first + len(blobs)
+
+    def _compact(self, log: _LogState, budget: int) -> None:
+        """Clean the oldest chunks worth about `budget` records: keep their live records only."""
+        num_chunks, num_scanned = 0, 0
+        for _, num_records in log.chunks:
+            if num_scanned >= budget:
+                break
+            num_chunks += 1
+            num_scanned += num_records
+        first, last = log.chunks[0][0], log.chunks[num_chunks - 1][0]
+        rows = self._db.execute("SELECT chunk_id, key_width, records FROM log "
+                                "WHERE chunk_id BETWEEN ? AND ? ORDER BY chunk_id",
+                                (first, last)).fetchall()
+        self._db.execute("DELETE FROM log WHERE chunk_id BETWEEN ? AND ?", (first, last))
+        for _ in range(num_chunks):
+            log.chunks.popleft()
+        log.num_records -= num_scanned
+        for key_width, live in _live_records(log, rows).items():
+            self._move(log, key_width, live)
+        failpoint("mid-compaction")
+
+    def _move(self, log: _LogState, key_width: int, live: np.ndarray) -> None:
+        """Append live records, verbatim, as new chunks and point `chunk_of` at them."""
+        starts = range(0, live.size, MAX_CHUNK_RECORDS)
+        chunk_ids = log.next_chunk_id + np.arange(live.size) // MAX_CHUNK_RECORDS
+        np.frombuffer(log.chunk_of, dtype=np.int64)[live["block_id"]] = chunk_ids
+        self._write_chunks(log, key_width, [live[start:start + MAX_CHUNK_RECORDS].tobytes()
+                                            for start in starts])
+
+    def _log_state(self) -> _LogState:
+        if self._log is None:
+            self._log = _scan(self._db.execute(
+                "SELECT chunk_id, key_width, records FROM log ORDER BY chunk_id").fetchall())[1]
+        return self._log
 
     # ---- stamp and recovery ----------------------------------------------------------------
     def read_stamp(self) -> dict[str, Any]:
@@ -179,22 +355,18 @@ class Journal:
         """Forget every block and record a new stamp (a clean start)."""
         self._clear_pending()
         self._db.execute("BEGIN")
-        self._db.execute("DELETE FROM blocks")
+        self._db.execute("DELETE FROM log")
         self._db.execute("DELETE FROM stamp")
         self._db.executemany("INSERT INTO stamp VALUES (?, ?)",
                              [(key, json.dumps(value)) for key, value in stamp.items()])
         self._db.execute("COMMIT")
-        self._seal_seq = 0
+        self._log = _LogState()
 
     def load(self) -> IndexRows:
-        """Every journaled block, oldest seal first."""
-        # Reading in rowid order and sorting here is about twice as fast as ORDER BY seal_seq.
-        rows = self._db.execute("SELECT block_id, hash, seal_seq, generation, parent, "
-                                "parent_generation, tier FROM blocks").fetchall()
-        rows.sort(key=itemgetter(2))
-        columns = list(zip(*rows)) or [()] * 7
-        block_ids, keys, _, generations, parents, parent_generations, tiers = map(list, columns)
-        return IndexRows(block_ids, keys, generations, parents, parent_generations, tiers)
+        """Every journaled block, oldest seal first (columns as NumPy arrays, keys as bytes)."""
+        rows, self._log = _scan(self._db.execute(
+            "SELECT chunk_id, key_width, records FROM log ORDER BY chunk_id").fetchall())
+        return rows
 
     def close(self) -> None:
         self._db.close()
@@ -211,3 +383,81 @@ class Journal:
             self.state_dir.rmdir()
         except OSError:
             pass  # not empty: it holds files that are not ours
+
+
+# ---- decoding ---------------------------------------------------------------------------------
+def _live_records(log: _LogState, rows: list[tuple[int, int, bytes]]) -> dict[int, np.ndarray]:
+    """The records of chunks `rows` that are still live, by key width."""
+    chunk_of = np.frombuffer(log.chunk_of, dtype=np.int64)
+    live: dict[int, list[np.ndarray]] = {}
+    for chunk_id, key_width, blob in rows:
+        records = np.frombuffer(blob, dtype=_record_dtype(key_width))
+        is_live = records["kind"] == SEAL
+        # Only SEAL records are looked up: a tombstone may name a block never placed here.
+        is_live[is_live] = chunk_of[records["block_id"][is_live]] == chunk_id
+        live.setdefault(key_width, []).append(records[is_live])
+    return {key_width: np.concatenate(parts) for key_width, parts in live.items()}
+
+
+def _runs(rows: list[tuple[int, int, bytes]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Decode chunks, oldest first: (records, chunk id of each) per run of one key width."""
+    runs, start = [], 0
+    for end in range(1, len(rows) + 1):
+        if end == len(rows) or rows[end][1] != rows[start][1]:
+            dtype = _record_dtype(rows[start][1])
+            records = np.frombuffer(b"".join(row[2] for row in rows[start:end]), dtype=dtype)
+            counts = [len(row[2]) // dtype.itemsize for row in rows[start:end]]
+            runs.append((records, np.repeat([row[0] for row in rows[start:end]], counts)))
+            start = end
+    return runs
+
+
+def _column(runs: list[tuple[np.ndarray, np.ndarray]], name: str) -> np.ndarray:
+    return np.concatenate([records[name] for records, _ in runs]) if runs else np.zeros(0)
+
+
+def _scan(rows: list[tuple[int, int, bytes]]) -> tuple[IndexRows, _LogState]:
+    """Replay a whole log: the live rows, oldest seal first, and the state to append after it."""
+    runs = _runs(rows)
+    block_ids = _column(runs, "block_id").astype(np.int64)
+    last = np.full(int(block_ids.max(initial=-1)) + 1, -1, dtype=np.int64)
+    np.maximum.at(last, block_ids, np.arange(block_ids.size))  # each block's last record
+    live = last[last >= 0]
+    live = live[_column(runs, "kind")[live] == SEAL]
+    seal_seqs = _column(runs, "seal_seq").astype(np.uint64)
+    live = live[np.argsort(seal_seqs[live], kind="stable")]
+    state = _LogState()
+    chunk_of = np.zeros(last.size, dtype=np.int64)
+    chunk_of[block_ids[live]] = np.concatenate([ids for _, ids in runs])[live] if runs else 0
+    state.chunk_of = array("q", chunk_of.tobytes())
+    state.chunks = deque((row[0], len(row[2]) // _record_dtype(row[1]).itemsize) for row in rows)
+    state.num_records, state.num_live = block_ids.size, live.size
+    state.seal_seq = int(seal_seqs.max(initial=0))
+    state.next_chunk_id = rows[-1][0] + 1 if rows else 1
+    index_rows = IndexRows(
+        block_ids[live], _keys(runs, live), _column(runs, "generation").astype(np.uint64)[live],
+        _column(runs, "parent").astype(np.int64)[live],
+        _column(runs, "parent_generation").astype(np.uint64)[live],
+        _column(runs, "tier").astype(np.uint8)[live])
+    return index_rows, state
+
+
+def _keys(runs: list[tuple[np.ndarray, np.ndarray]], positions: np.ndarray) -> list[bytes]:
+    """The keys of the records at `positions` (into the runs laid end to end), as bytes."""
+    keys: list[bytes] = [b""] * positions.size
+    offset = 0
+    for records, _ in runs:
+        in_run = (positions >= offset) & (positions < offset + records.size)
+        slots, local = np.flatnonzero(in_run), positions[in_run] - offset
+        key_nbytes = records["key_nbytes"][local]
+        for nbytes in np.unique(key_nbytes).tolist():
+            picked = key_nbytes == nbytes
+            # A void view keeps every byte (a bytes dtype would strip trailing zeros).
+            found = np.ascontiguousarray(records["key"][local[picked], :nbytes]) \
+                .view(f"V{nbytes}").ravel().tolist()
+            if found and len(found) == positions.size:
+                return found  # the usual case: one run, one key length, in order
+            for slot, key in zip(slots[picked].tolist(), found):
+                keys[slot] = key
+        offset += records.size
+    return keys

@@ -85,14 +85,18 @@ def _check_key(key: Hashable) -> None:
 
 
 class IndexRows(NamedTuple):
-    """The hash index as columns, oldest entry first: what the journal keeps and restores."""
+    """The hash index as columns, oldest entry first: what the journal keeps and restores.
 
-    block_ids: list[int]
+    Numeric columns are lists or NumPy arrays (the journal loads int64/uint64/uint8 arrays,
+    which `restore` uses without a copy).
+    """
+
+    block_ids: Sequence[int]
     keys: list[Hashable]
-    generations: list[int]  # the block's generation when it was sealed
-    parents: list[int]  # parent block id, NO_PARENT or ORPHAN
-    parent_generations: list[int]  # the parent's generation when the child was sealed
-    tiers: list[int]
+    generations: Sequence[int]  # the block's generation when it was sealed
+    parents: Sequence[int]  # parent block id, NO_PARENT or ORPHAN
+    parent_generations: Sequence[int]  # the parent's generation when the child was sealed
+    tiers: Sequence[int]
 
 
 class PoolObserver(Protocol):
@@ -503,7 +507,8 @@ class BlockPool:
             raise InternalError("restore() needs a fresh pool: blocks are already in use")
         keep = self._restorable(rows)
         ids = np.asarray(rows.block_ids, dtype=np.int64)[keep]
-        keys = [key for key, is_kept in zip(rows.keys, keep.tolist()) if is_kept]
+        keys = rows.keys if keep.all() else [key for key, is_kept in zip(rows.keys, keep.tolist())
+                                             if is_kept]
         parents = np.asarray(rows.parents, dtype=np.int64)[keep]
         tiers = np.asarray(rows.tiers, dtype=np.uint8)[keep]
         self._index = dict(zip(keys, ids.tolist()))

@@ -31,7 +31,7 @@ def reopened(journal: Journal) -> tuple[list[int], list[bytes]]:
         rows = other.load()
     finally:
         other.close()
-    return rows.block_ids, rows.keys
+    return rows.block_ids.tolist(), rows.keys
 
 
 def seal(journal: Journal, block_id: int, key: bytes) -> None:

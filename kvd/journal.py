@@ -13,15 +13,19 @@ Rosenblum and Ousterhout's LFS), not as one table row per block:
     stamp(key, value)   journal/layout/hash versions, geometry, segment uuid, boot id
     log(chunk_id PK, key_width, records)
                         one row -- a *chunk* -- per group commit or compaction step; `records`
-                        packs at most MAX_CHUNK_RECORDS records, each 35 + key_width bytes:
+                        packs at most MAX_CHUNK_RECORDS records of 35 + key_width bytes:
 
-    0          8            16                  24         28       32     33     34           35
-    +----------+------------+-------------------+----------+--------+------+------+------------+-----
-    | seal_seq | generation | parent_generation | block_id | parent | kind | tier | key_nbytes | key
-    +----------+------------+-------------------+----------+--------+------+------+------------+-----
-      u64        u64          u64                 i32        i32      u8     u8     u8           key_width
-                                                                                    bytes, zero padded
-    little-endian, unaligned: one NumPy structured dtype decodes a whole log at once.
+    record (little-endian, unaligned: one NumPy structured dtype decodes a whole log at once)
+      offset  bytes  field
+           0      8  seal_seq           u64: the order of seals (0 in a tombstone)
+           8      8  generation         u64: the block's generation when it was sealed
+          16      8  parent_generation  u64: the parent's generation then
+          24      4  block_id           i32
+          28      4  parent             i32: parent block id, NO_PARENT or ORPHAN
+          32      1  kind               SEAL or EVICT
+          33      1  tier               TIER_PREFILL or TIER_DECODE
+          34      1  key_nbytes
+          35      W  key                zero padded to W = key_width
 
 A SEAL record is an indexed block's row, with its place in the prefix tree; an EVICT record (a
 tombstone; only block_id is set) says the block no longer holds it. Replay rule: a block's last
@@ -180,17 +184,19 @@ class Journal:
     """The hash-index journal in `state_dir`. Writes are buffered until `commit()`."""
 
     def __init__(self, state_dir: str | os.PathLike[str], compact_factor: float = 2.0,
-                 min_compact_records: int = 65_536) -> None:
+                 min_compact_records: int = 65_536, compact_budget: int = COMPACT_BUDGET) -> None:
         """Args:
             state_dir: directory of the journal files (made 0700 if missing).
-            compact_factor, min_compact_records: compaction starts when the log holds more than
+            compact_factor, min_compact_records: compaction is due while the log holds more than
                 compact_factor x live records + min_compact_records (module docstring).
+            compact_budget: records a compaction step cleans at least.
         """
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.path = self.state_dir / JOURNAL_FILENAME
         self.compact_factor = compact_factor
         self.min_compact_records = min_compact_records
+        self.compact_budget = compact_budget
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -245,7 +251,7 @@ class Journal:
         failpoint("after-commit-before-reply")
         log = self._log
         if log.is_compaction_due(self.compact_factor, self.min_compact_records):
-            budget = max(COMPACT_BUDGET, 2 * num_appended)
+            budget = max(self.compact_budget, 2 * num_appended)
             self._transaction(lambda: self._compact(log, budget))
 
     def rewrite(self, rows: Sequence[_SealRow]) -> None:

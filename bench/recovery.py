@@ -16,11 +16,16 @@ journal are left exactly as a crash leaves them. Each repeat then recovers in a 
 Geometry: 1 layer, 1 KV head, head_dim 8, block_size 1, float16 — 32-byte blocks, so the segment
 is 32 MiB and only metadata is measured.
 
-Seal throughput. Two real daemons side by side, one journaled and one `--no-journal`; one client
-runs alloc → seal → release rounds on each in turn (interleaved, so machine noise hits both), at
-batch 1, 16 and 256. Reported: blocks sealed per second of seal calls (the round trip the client
-waits for, commit included), median over rounds. With one client every seal is its own group
-commit: the worst case for the journal.
+Seal throughput. Two real daemons side by side, one journaled and one `--no-journal`, at batch 1,
+16 and 256; each round runs on both in turn (interleaved, so machine noise hits both alike):
+  * one client: alloc → seal → release; blocks sealed per second of seal calls (the round trip
+    the client waits for, commit included), median over rounds. Every seal is its own group
+    commit: the worst case for the journal;
+  * four clients (processes) doing the same at once; blocks sealed per second of the round, all
+    clients together (their seals share group commits);
+  * in both, the daemon's CPU time per sealed block (alloc, seal and release included), from
+    /proc/PID/schedstat: what a busy machine inflates least. The journal's cost is 1 - journal rate / plain
+    rate, and on CPU 1 - plain CPU / journal CPU (the rate a CPU-bound daemon would lose).
 
     python -m bench.recovery [--num-blocks 1000000] [--repeats 3] [--seconds 1.0] [--out DIR]
 """
@@ -122,13 +127,13 @@ def child_recover(name: str, num_blocks: int) -> None:
 
     times, watch = watch.times, Stopwatch()
     journal = Journal(state_dir(name))
-    block_ids, keys = journal.load()
+    rows = journal.load()
     watch.lap("journal_load")
     segment = Segment.attach(DaemonPaths.for_name(name).segment_name)
     watch.lap("segment_attach")
     pool = BlockPool(num_blocks, "default", segment.generations)
     watch.lap("pool_build")
-    pool.restore(block_ids, keys)
+    pool.restore(rows)
     watch.lap("pool_restore")
     _bump_free_generations(pool, segment.generations)
     watch.lap("generation_bump")
@@ -219,8 +224,12 @@ def bench_recovery(num_blocks: int, repeats: int) -> dict:
 
 
 # ---- seal throughput ------------------------------------------------------------------------
-def seal_round(client, batch_size: int, seconds: float, next_key: list[int]) -> float:
-    """alloc → seal → release until `seconds` passed; blocks sealed per second of seal calls."""
+NUM_CLIENTS = 4
+
+
+def seal_round(client, batch_size: int, seconds: float,
+               next_key: list[int]) -> tuple[int, float]:
+    """alloc → seal → release until `seconds` passed: (blocks sealed, seconds spent in seals)."""
     clock = time.perf_counter
     seal_s, num_sealed = 0.0, 0
     deadline = clock() + seconds
@@ -233,41 +242,118 @@ def seal_round(client, batch_size: int, seconds: float, next_key: list[int]) -> 
         seal_s += clock() - t0
         num_sealed += batch_size
         client.release(block_ids)
-    return num_sealed / seal_s
+    return num_sealed, seal_s
+
+
+def seal_worker(index: int, names: dict[str, str], conn) -> None:
+    """One of the concurrent clients: runs the rounds the parent sends, answers their counts."""
+    import kvd
+
+    clients = {mode: kvd.connect(name) for mode, name in names.items()}
+    next_key = [(index + 1) << 48]  # keys distinct from every other client's
+    try:
+        while (job := conn.recv()) is not None:
+            mode, batch_size, seconds = job
+            conn.send(seal_round(clients[mode], batch_size, seconds, next_key)[0])
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds the (single-threaded) process `pid` has run so far, to the nanosecond
+    (/proc/PID/stat's ticks are 10 ms: too coarse for a 0.2 s round)."""
+    with open(f"/proc/{pid}/schedstat") as file:
+        return int(file.read().split()[0]) / 1e9
+
+
+class SealBench:
+    """The journaled and the plain daemon, one client of each here and NUM_CLIENTS workers."""
+
+    def __init__(self, names: dict[str, str], procs: dict[str, subprocess.Popen]) -> None:
+        import multiprocessing
+
+        import kvd
+
+        self.names, self.procs = names, procs
+        self.clients = {mode: kvd.connect(name) for mode, name in names.items()}
+        context = multiprocessing.get_context("spawn")  # no inherited sockets
+        self.pipes, self.workers = [], []
+        for index in range(NUM_CLIENTS):
+            here, there = context.Pipe()
+            worker = context.Process(target=seal_worker, args=(index, names, there), daemon=True)
+            worker.start()
+            self.pipes.append(here)
+            self.workers.append(worker)
+
+    def one_client(self, mode: str, batch_size: int, seconds: float,
+                   next_key: list[int]) -> tuple[float, float]:
+        """(blocks per second of seal calls, daemon CPU seconds per block)."""
+        cpu = process_cpu_s(self.procs[mode].pid)
+        num_sealed, seal_s = seal_round(self.clients[mode], batch_size, seconds, next_key)
+        return num_sealed / seal_s, (process_cpu_s(self.procs[mode].pid) - cpu) / num_sealed
+
+    def many_clients(self, mode: str, batch_size: int, seconds: float) -> tuple[float, float]:
+        """(blocks per second, all clients together; daemon CPU seconds per block)."""
+        cpu, started = process_cpu_s(self.procs[mode].pid), time.perf_counter()
+        for pipe in self.pipes:
+            pipe.send((mode, batch_size, seconds))
+        num_sealed = sum(pipe.recv() for pipe in self.pipes)
+        wall_s = time.perf_counter() - started
+        return num_sealed / wall_s, (process_cpu_s(self.procs[mode].pid) - cpu) / num_sealed
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.send(None)
+        for worker in self.workers:
+            worker.join(30)
+        for client in self.clients.values():
+            client.close()
+
+
+def summarise(samples: dict[str, list[tuple[float, float]]]) -> dict:
+    """Medians of (rate, CPU per block) per mode and the journal's cost on each."""
+    row = {}
+    for mode, pairs in samples.items():
+        row[f"{mode}_blocks_per_s"] = statistics.median(rate for rate, _ in pairs)
+        row[f"{mode}_cpu_us_per_block"] = statistics.median(cpu for _, cpu in pairs) * 1e6
+    row["journal_cost"] = 1 - row["journal_blocks_per_s"] / row["no_journal_blocks_per_s"]
+    row["journal_cpu_cost"] = 1 - (row["no_journal_cpu_us_per_block"]
+                                   / row["journal_cpu_us_per_block"])
+    row["rounds"] = samples
+    return row
 
 
 def bench_seal_throughput(seconds: float, num_rounds: int = 5) -> dict:
-    import kvd
-
     num_blocks = 262_144
     names = {"journal": f"bench-seal-j-{uuid.uuid4().hex[:8]}",
              "no_journal": f"bench-seal-n-{uuid.uuid4().hex[:8]}"}
     procs = {mode: start_cli(name, num_blocks, *(["--no-journal"] if mode == "no_journal"
                                                   else []))
              for mode, name in names.items()}
-    clients = {}
+    bench = None
     try:
         for mode, name in names.items():
             wait_ready(procs[mode], name)
-            clients[mode] = kvd.connect(name)
-        rows = {}
+        bench = SealBench(names, procs)
+        rows: dict[str, dict] = {"1_client": {}, f"{NUM_CLIENTS}_clients": {}}
         for batch_size in BATCH_SIZES:
             progress(f"seal throughput, batch {batch_size} ...")
-            rates: dict[str, list[float]] = {mode: [] for mode in names}
+            one: dict[str, list] = {mode: [] for mode in names}
+            many: dict[str, list] = {mode: [] for mode in names}
             next_key = [0]
             for _ in range(num_rounds):
                 for mode in names:  # interleaved: noise hits both modes alike
-                    rates[mode].append(seal_round(clients[mode], batch_size,
-                                                  seconds / num_rounds, next_key))
-            journal, plain = (statistics.median(rates[m]) for m in ("journal", "no_journal"))
-            rows[str(batch_size)] = {"journal_blocks_per_s": journal,
-                                     "no_journal_blocks_per_s": plain,
-                                     "journal_cost": 1 - journal / plain,
-                                     "rounds": rates}
-        return {"num_blocks": num_blocks, "goal_cost_at_16": GOAL_JOURNAL_COST, "batches": rows}
+                    one[mode].append(bench.one_client(mode, batch_size, seconds / num_rounds,
+                                                      next_key))
+                    many[mode].append(bench.many_clients(mode, batch_size, seconds / num_rounds))
+            rows["1_client"][str(batch_size)] = summarise(one)
+            rows[f"{NUM_CLIENTS}_clients"][str(batch_size)] = summarise(many)
+        return {"num_blocks": num_blocks, "goal_cost_at_16": GOAL_JOURNAL_COST, "clients": rows,
+                "load_average": os.getloadavg()}
     finally:
-        for client in clients.values():
-            client.close()
+        if bench is not None:
+            bench.close()
         for mode, proc in procs.items():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -288,12 +374,18 @@ def print_tables(results: dict) -> None:
             f"{row[c]:8.3f} ({row[c[:-2] + '_cpu_s']:6.3f})" if c[:-2] + "_cpu_s" in row
             else f"{row[c]:17.3f}" for c in columns))
     seal = results["seal"]
-    print(f"\nSeal throughput, one client, k blocks/s of seal calls (goal: journal cost "
-          f"<= {seal['goal_cost_at_16']:.0%} at batch 16)")
-    print(f"{'batch':>5} {'no journal':>11} {'journal':>9} {'cost':>6}")
-    for batch, row in seal["batches"].items():
-        print(f"{batch:>5} {row['no_journal_blocks_per_s'] / 1e3:11.1f} "
-              f"{row['journal_blocks_per_s'] / 1e3:9.1f} {row['journal_cost']:6.1%}")
+    print(f"\nSeal throughput (goal: journal cost <= {seal['goal_cost_at_16']:.0%} at batch 16). "
+          "k blocks/s: of seal calls with 1 client, of the round with 4;\n"
+          "daemon CPU us per sealed block (alloc + seal + release)")
+    print(f"{'clients':>7} {'batch':>5} {'no journal':>11} {'journal':>9} {'cost':>6}   "
+          f"{'CPU no journal':>14} {'CPU journal':>11} {'CPU cost':>8}")
+    for clients, batches in seal["clients"].items():
+        for batch, row in batches.items():
+            print(f"{clients.split('_')[0]:>7} {batch:>5} "
+                  f"{row['no_journal_blocks_per_s'] / 1e3:11.1f} "
+                  f"{row['journal_blocks_per_s'] / 1e3:9.1f} {row['journal_cost']:6.1%}   "
+                  f"{row['no_journal_cpu_us_per_block']:14.1f} "
+                  f"{row['journal_cpu_us_per_block']:11.1f} {row['journal_cpu_cost']:8.1%}")
 
 
 def private_dirs() -> str:

@@ -167,14 +167,11 @@ class _LogState:
                 chunk_of[block_id] = 0
                 self.num_live -= 1
 
-    def place(self, block_id: int, chunk_id: int) -> None:
-        """`block_id`'s live SEAL record is now in `chunk_id`."""
+    def reserve(self, max_block_id: int) -> None:
+        """Make room in `chunk_of` for blocks up to `max_block_id`."""
         chunk_of = self.chunk_of
-        if block_id >= len(chunk_of):  # grown by half again: amortised O(1) per block
-            chunk_of.frombytes(bytes(8 * (block_id + 1 - len(chunk_of) + len(chunk_of) // 2)))
-        if not chunk_of[block_id]:
-            self.num_live += 1
-        chunk_of[block_id] = chunk_id
+        if max_block_id >= len(chunk_of):  # grown by half again: amortised O(1) per block
+            chunk_of.frombytes(bytes(8 * (max_block_id + 1 - len(chunk_of) + len(chunk_of) // 2)))
 
     def is_compaction_due(self, factor: float, min_records: int) -> bool:
         return self.num_records > factor * self.num_live + min_records
@@ -199,6 +196,11 @@ class Journal:
         self.compact_budget = compact_budget
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            # One writer (the daemon holds the name's flock anyway): no shared-memory WAL index
+            # and no file locking per transaction saves ~5 us of CPU per commit (of ~25 at batch
+            # 1). Nobody else can read the journal while it is open; a crash leaves the WAL,
+            # which the next opener replays.
+            self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
@@ -296,12 +298,16 @@ class Journal:
         pack = _record_struct(key_width).pack
         records = [pack(0, 0, 0, block_id, 0, EVICT, 0, 0, b"") for block_id in evictions]
         first_chunk_id, seal_seq = log.next_chunk_id, log.seal_seq
+        if seals:
+            log.reserve(max(row[0] for row in seals))
+        chunk_of, num_live = log.chunk_of, log.num_live
         for block_id, key, generation, parent, parent_generation, tier in seals:
             seal_seq += 1
-            log.place(block_id, first_chunk_id + len(records) // MAX_CHUNK_RECORDS)
+            num_live += not chunk_of[block_id]
+            chunk_of[block_id] = first_chunk_id + len(records) // MAX_CHUNK_RECORDS
             records.append(pack(seal_seq, generation, parent_generation, block_id, parent, SEAL,
                                 tier, len(key), key))
-        log.seal_seq = seal_seq
+        log.seal_seq, log.num_live = seal_seq, num_live
         self._write_chunks(log, key_width, [b"".join(records[start:start + MAX_CHUNK_RECORDS])
                                             for start in range(0, len(records),
                                                                MAX_CHUNK_RECORDS)])

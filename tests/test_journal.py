@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from conftest import ROOT, child_env
 import kvd.journal as journal_module
 from kvd.errors import JournalError
 from kvd.journal import FAILPOINTS, JOURNAL_FILENAME, Journal, failpoint
-from kvd.pool import NO_PARENT, ORPHAN
+from kvd.pool import NO_PARENT, ORPHAN, IndexRows
 
 
 @pytest.fixture
@@ -27,13 +29,26 @@ def journal(tmp_path: Path):
     journal.close()
 
 
+def on_disk(state_dir: Path) -> IndexRows:
+    """What a daemon restarted after a crash right now would load: the journal holds its files
+    locked while open, so this loads a copy of them (the database and the WAL) as they are."""
+    copy = Path(tempfile.mkdtemp(prefix="journal-copy-", dir=state_dir.parent))
+    try:
+        for suffix in ("", "-wal"):
+            if (state_dir / f"{JOURNAL_FILENAME}{suffix}").exists():
+                shutil.copy(state_dir / f"{JOURNAL_FILENAME}{suffix}", copy)
+        other = Journal(copy)
+        try:
+            return other.load()
+        finally:
+            other.close()
+    finally:
+        shutil.rmtree(copy)
+
+
 def reopened(journal: Journal) -> tuple[list[int], list[bytes]]:
     """(block ids, keys) a restarted daemon would load from the same directory."""
-    other = Journal(journal.state_dir)
-    try:
-        rows = other.load()
-    finally:
-        other.close()
+    rows = on_disk(journal.state_dir)
     return rows.block_ids.tolist(), rows.keys
 
 
@@ -97,6 +112,7 @@ def test_sealed_evicted_and_resealed_in_one_commit_keeps_the_last_seal(journal):
 def test_seal_order_continues_across_reopen(journal):
     seal(journal, 7, b"a")
     journal.commit()
+    journal.close()  # a restart: the journal is locked while it is open
     other = Journal(journal.state_dir)
     try:
         seal(other, 2, b"b")
@@ -233,11 +249,7 @@ class ChurnModel:
 
 def loaded(state_dir: Path) -> list[tuple]:
     """Every row a restarted daemon would load, oldest seal first, as plain tuples."""
-    other = Journal(state_dir)
-    try:
-        rows = other.load()
-    finally:
-        other.close()
+    rows = on_disk(state_dir)
     return list(zip(rows.block_ids.tolist(), rows.keys, rows.generations.tolist(),
                     rows.parents.tolist(), rows.parent_generations.tolist(), rows.tiers.tolist()))
 

@@ -486,8 +486,9 @@ class BlockPool:
         parent = self._parent[block_id]
         if self._is_orphan[block_id]:
             parent = ORPHAN
-        parent_generation = int(self.generations[parent]) if parent >= 0 else 0
-        return (block_id, self._hashes[block_id], int(self.generations[block_id]), parent,
+        generations = self.generations  # .item(): a Python int at half the cost of int(a[i])
+        parent_generation = generations.item(parent) if parent >= 0 else 0
+        return (block_id, self._hashes[block_id], generations.item(block_id), parent,
                 parent_generation, self._tier[block_id])
 
     def journal_rows(self) -> list[tuple[Hashable, ...]]:

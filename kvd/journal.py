@@ -69,7 +69,8 @@ Keys are bytes of 1 to 255 bytes (the daemon allows 64; kvd.hash_blocks makes 16
 Failpoints: `KVD_FAILPOINT=<name>` makes the daemon SIGKILL itself at that point, so tests can
 crash it exactly there: before-commit, after-commit-before-reply, mid-eviction, during-recovery,
 mid-compaction (inside a compaction step's transaction, before it commits).
-`KVD_JOURNAL_FAIL_FILE=<path>` makes every journal write fail while that file exists.
+`KVD_JOURNAL_FAIL_FILE=<path>` (read when a Journal opens) makes every journal write fail while
+that file exists.
 
 A failed commit puts the daemon in fail-closed mode: it refuses allocations and seals with a
 JOURNAL error (lookups, reads and releases go on), and about once a second tries to rewrite the
@@ -112,10 +113,13 @@ CREATE TABLE IF NOT EXISTS log (
 # Bumped whenever the schema changes: a journal of another version never matches the stamp.
 JOURNAL_VERSION = 3
 
+_INSERT_CHUNK = "INSERT INTO log VALUES (?, ?, ?)"
+
 SEAL, EVICT = 1, 2
 _HEADER_FIELDS = [("seal_seq", "<u8"), ("generation", "<u8"), ("parent_generation", "<u8"),
                   ("block_id", "<i4"), ("parent", "<i4"), ("kind", "u1"), ("tier", "u1"),
                   ("key_nbytes", "u1")]
+_HEADER_NBYTES = 35  # of a record, before its key
 MAX_KEY_NBYTES = 255  # key_nbytes is one byte
 DEFAULT_KEY_WIDTH = 16  # kvd.hash_blocks: chunks of tombstones only use it too, so runs stay long
 # A chunk is what one compaction step reads or writes at a time: 4096 records of 16-byte keys
@@ -136,10 +140,9 @@ def _record_struct(key_width: int) -> struct.Struct:
     return struct.Struct(f"<QQQiiBBB{key_width}s")
 
 
-def _inject_failure() -> None:
+def _inject_failure(fail_file: str | None) -> None:
     """Tests make journal writes fail while the file KVD_JOURNAL_FAIL_FILE names exists."""
-    path = os.environ.get("KVD_JOURNAL_FAIL_FILE")
-    if path and os.path.exists(path):
+    if fail_file and os.path.exists(fail_file):
         raise sqlite3.OperationalError("disk I/O error (injected by KVD_JOURNAL_FAIL_FILE)")
 
 
@@ -200,6 +203,8 @@ class Journal:
         self.compact_factor = compact_factor
         self.min_compact_records = min_compact_records
         self.compact_budget = compact_budget
+        # Read once (os.environ costs ~1 us a look, on every commit).
+        self._fail_file = os.environ.get("KVD_JOURNAL_FAIL_FILE")
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             # One writer (the daemon holds the name's flock anyway): no shared-memory WAL index
@@ -277,7 +282,7 @@ class Journal:
     def _transaction(self, body: Any) -> Any:
         """Run `body` in a transaction and return what it returns; JournalError if it fails."""
         try:
-            _inject_failure()
+            _inject_failure(self._fail_file)
             self._db.execute("BEGIN")
             result = body()
             self._db.execute("COMMIT")
@@ -330,14 +335,12 @@ class Journal:
 
     def _write_chunks(self, log: _LogState, key_width: int, blobs: list[bytes]) -> None:
         """Insert `blobs` as the next chunks, each of whole records of `key_width`."""
-        record_nbytes = _record_dtype(key_width).itemsize
-        first = log.next_chunk_id
-        self._db.executemany("INSERT INTO log VALUES (?, ?, ?)",
-                             [(first + i, key_width, blob) for i, blob in enumerate(blobs)])
-        for i, blob in enumerate(blobs):
-            log.chunks.append((first + i, len(blob) // record_nbytes))
+        record_nbytes = _HEADER_NBYTES + key_width
+        for blob in blobs:  # one execute per chunk: cheaper than executemany for the usual one
+            self._db.execute(_INSERT_CHUNK, (log.next_chunk_id, key_width, blob))
+            log.chunks.append((log.next_chunk_id, len(blob) // record_nbytes))
             log.num_records += len(blob) // record_nbytes
-        log.next_chunk_id = first + len(blobs)
+            log.next_chunk_id += 1
 
     def _compact(self, log: _LogState, budget: int) -> None:
         """Clean the oldest chunks worth about `budget` records: keep their live records only."""

@@ -3,6 +3,7 @@ stamp, injected write failures, failpoints and file hygiene. No daemon."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -145,23 +146,23 @@ def test_reset_records_the_stamp_and_forgets_blocks(journal):
     assert journal.read_stamp() == {"boot_id": "cd"}
 
 
-def test_injected_write_failure_raises_journal_error_and_writes_nothing(journal, tmp_path,
-                                                                         monkeypatch):
+def test_injected_write_failure_raises_journal_error_and_writes_nothing(tmp_path, monkeypatch):
     fail_file = tmp_path / "fail"
-    monkeypatch.setenv("KVD_JOURNAL_FAIL_FILE", str(fail_file))
-    seal(journal, 1, b"kept")
-    journal.commit()  # the file does not exist yet: writes work
-    fail_file.touch()
-    seal(journal, 2, b"lost")
-    with pytest.raises(JournalError, match="injected"):
-        journal.commit()
-    assert not journal.is_dirty  # the failed changes are dropped: the caller must rewrite
-    with pytest.raises(JournalError):
+    monkeypatch.setenv("KVD_JOURNAL_FAIL_FILE", str(fail_file))  # read when the journal opens
+    with contextlib.closing(Journal(tmp_path / "state")) as journal:
+        seal(journal, 1, b"kept")
+        journal.commit()  # the file does not exist yet: writes work
+        fail_file.touch()
+        seal(journal, 2, b"lost")
+        with pytest.raises(JournalError, match="injected"):
+            journal.commit()
+        assert not journal.is_dirty  # the failed changes are dropped: the caller must rewrite
+        with pytest.raises(JournalError):
+            journal.rewrite(heads([1, 2], [b"kept", b"lost"]))
+        assert reopened(journal) == ([1], [b"kept"])
+        fail_file.unlink()
         journal.rewrite(heads([1, 2], [b"kept", b"lost"]))
-    assert reopened(journal) == ([1], [b"kept"])
-    fail_file.unlink()
-    journal.rewrite(heads([1, 2], [b"kept", b"lost"]))
-    assert reopened(journal) == ([1, 2], [b"kept", b"lost"])
+        assert reopened(journal) == ([1, 2], [b"kept", b"lost"])
 
 
 def test_files_are_private_and_remove_deletes_them(tmp_path):

@@ -21,6 +21,21 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 LATENCY_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1, 1.0)
 
 
+def snapshot(mapping: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a dict the loop thread may grow while the scrape thread reads it.
+
+    Copying is one C call, but an allocation inside it can run a garbage collection whose
+    finalizers run Python code and so let the loop thread in: then the copy raises
+    "dictionary changed size during iteration". Such a collision is rare; trying again is
+    cheaper than taking a lock on every request.
+    """
+    while True:
+        try:
+            return dict(mapping)
+        except RuntimeError:
+            continue
+
+
 class OpStats:
     """Per-op request counts and a latency histogram, plus error counts by code."""
 
@@ -41,8 +56,7 @@ class OpStats:
         self.errors[code] = self.errors.get(code, 0) + 1
 
     def requests(self) -> dict[str, int]:
-        # list() copies in one C call: the loop thread may add an op while a scrape iterates.
-        return {op: sum(buckets) for op, buckets in list(self.latency.items())}
+        return {op: sum(buckets) for op, buckets in snapshot(self.latency).items()}
 
 
 class KvdCollector:
@@ -82,12 +96,12 @@ class KvdCollector:
 
     def _collect_ops(self) -> Iterator[Any]:
         errors = CounterMetricFamily("kvd_errors", "Error replies by code", labels=["code"])
-        for code, count in sorted(self._ops.errors.items()):
+        for code, count in sorted(snapshot(self._ops.errors).items()):
             errors.add_metric([code], count)
         yield errors
         latency = HistogramMetricFamily("kvd_request_latency_seconds",
                                         "Time to handle a request in the daemon", labels=["op"])
-        for op, buckets in sorted(self._ops.latency.items()):
+        for op, buckets in sorted(snapshot(self._ops.latency).items()):
             cumulative, total = [], 0
             for bound, count in zip((*LATENCY_BUCKETS_S, float("inf")), buckets):
                 total += count

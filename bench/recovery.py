@@ -5,8 +5,10 @@ journal costs <= 20 % of seal throughput at batch 16.
 
 Recovery. A child process runs a real `Daemon` in-process, seals every block of the pool under a
 fresh 16-byte key (in a random block order, committing the journal every 65,536 seals, as the
-daemon's group commit would) and then SIGKILLs itself: the segment and an un-checkpointed WAL
-journal are left exactly as a crash leaves them. Each repeat then recovers in a fresh child:
+daemon's group commit would), keeps replacing cached blocks by new seals until the journal's log
+is as long as compaction lets it grow (about 2 records per live block: the worst case), and then
+SIGKILLs itself: the segment and an un-checkpointed WAL journal are left exactly as a crash
+leaves them. Each repeat then recovers in a fresh child:
   * end-to-end: `Daemon(recover=True).start()` — flock, journal open, stamp check, journal
     load, pool build, restore, generation bump, socket bind — what a restart costs after Python
     is up; the first repeat reads the crash-left WAL, later ones a checkpointed journal;
@@ -19,13 +21,14 @@ is 32 MiB and only metadata is measured.
 Seal throughput. Two real daemons side by side, one journaled and one `--no-journal`, at batch 1,
 16 and 256; each round runs on both in turn (interleaved, so machine noise hits both alike):
   * one client: alloc → seal → release; blocks sealed per second of seal calls (the round trip
-    the client waits for, commit included), median over rounds. Every seal is its own group
-    commit: the worst case for the journal;
-  * four clients (processes) doing the same at once; blocks sealed per second of the round, all
+    the client waits for, commit included) and per second of the whole loop, medians over
+    rounds. Every seal is its own group commit: the worst case for the journal;
+  * four clients (processes) doing the same at once; blocks sealed per second of the loop, all
     clients together (their seals share group commits);
   * in both, the daemon's CPU time per sealed block (alloc, seal and release included), from
-    /proc/PID/schedstat: what a busy machine inflates least. The journal's cost is 1 - journal rate / plain
-    rate, and on CPU 1 - plain CPU / journal CPU (the rate a CPU-bound daemon would lose).
+    /proc/PID/schedstat: what a busy machine inflates least. The journal's cost is 1 - journal
+    rate / plain rate, and on CPU 1 - plain CPU / journal CPU (the rate a CPU-bound daemon
+    would lose).
 
     python -m bench.recovery [--num-blocks 1000000] [--repeats 3] [--seconds 1.0] [--out DIR]
 """
@@ -90,8 +93,28 @@ def child_fill(name: str, num_blocks: int) -> None:
         pool.seal(chunk, digests(start, len(chunk)), OWNER)
         journal.commit()
     pool.release(block_ids, OWNER)
-    print(json.dumps({"fill_s": time.perf_counter() - started}), flush=True)
+    num_churned = churn(pool, journal, first_key=num_blocks)
+    print(json.dumps({"fill_s": time.perf_counter() - started, "num_churned": num_churned,
+                      "num_log_records": journal.num_log_records}), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def churn(pool, journal, first_key: int, num_rounds_compacting: int = 4) -> int:
+    """Replace cached blocks by new seals (evicting them) until the journal has compacted its log
+    in a few commits: the log is then as long as compaction lets it grow, the longest a recovery
+    reads. Returns how many blocks were sealed."""
+    num_sealed, batch_size = 0, min(COMMIT_EVERY, pool.num_blocks // 4)
+    while num_rounds_compacting:
+        num_records, num_evictions = journal.num_log_records, pool.counters["evictions"]
+        block_ids = pool.allocate(batch_size, OWNER)
+        pool.seal(block_ids, digests(first_key + num_sealed, len(block_ids)), OWNER)
+        journal.commit()
+        pool.release(block_ids, OWNER)
+        num_sealed += len(block_ids)
+        num_appended = pool.counters["evictions"] - num_evictions + len(block_ids)
+        if journal.num_log_records < num_records + num_appended:  # it compacted
+            num_rounds_compacting -= 1
+    return num_sealed
 
 
 class Stopwatch:
@@ -203,7 +226,8 @@ def bench_recovery(num_blocks: int, repeats: int) -> dict:
 
     name = f"bench-recovery-{uuid.uuid4().hex[:8]}"
     try:
-        progress(f"sealing {num_blocks:,} blocks, then SIGKILL ...")
+        progress(f"sealing {num_blocks:,} blocks, churning until the journal compacts, "
+                 "then SIGKILL ...")
         fill = run_child("fill", name, str(num_blocks))
         runs = []
         for repeat in range(repeats):
@@ -212,7 +236,8 @@ def bench_recovery(num_blocks: int, repeats: int) -> dict:
             row["cli_ready_s"] = cli_ready_s(name, num_blocks)
             runs.append(row)
         return {"num_blocks": num_blocks, "geometry": GEOMETRY, "goal_s": GOAL_RECOVERY_S,
-                "fill_s": fill["fill_s"], "runs": runs,
+                "fill_s": fill["fill_s"], "num_churned": fill["num_churned"],
+                "num_log_records": fill["num_log_records"], "runs": runs,
                 "best_end_to_end_s": min(r["end_to_end_s"] for r in runs),
                 "best_end_to_end_cpu_s": min(r["end_to_end_cpu_s"] for r in runs),
                 "load_average": os.getloadavg()}
@@ -287,20 +312,20 @@ class SealBench:
             self.workers.append(worker)
 
     def one_client(self, mode: str, batch_size: int, seconds: float,
-                   next_key: list[int]) -> tuple[float, float]:
-        """(blocks per second of seal calls, daemon CPU seconds per block)."""
-        cpu = process_cpu_s(self.procs[mode].pid)
+                   next_key: list[int]) -> dict[str, float]:
+        cpu, started = process_cpu_s(self.procs[mode].pid), time.perf_counter()
         num_sealed, seal_s = seal_round(self.clients[mode], batch_size, seconds, next_key)
-        return num_sealed / seal_s, (process_cpu_s(self.procs[mode].pid) - cpu) / num_sealed
+        return {"seal_call_blocks_per_s": num_sealed / seal_s,
+                "blocks_per_s": num_sealed / (time.perf_counter() - started),
+                "cpu_us_per_block": (process_cpu_s(self.procs[mode].pid) - cpu) / num_sealed * 1e6}
 
-    def many_clients(self, mode: str, batch_size: int, seconds: float) -> tuple[float, float]:
-        """(blocks per second, all clients together; daemon CPU seconds per block)."""
+    def many_clients(self, mode: str, batch_size: int, seconds: float) -> dict[str, float]:
         cpu, started = process_cpu_s(self.procs[mode].pid), time.perf_counter()
         for pipe in self.pipes:
             pipe.send((mode, batch_size, seconds))
         num_sealed = sum(pipe.recv() for pipe in self.pipes)
-        wall_s = time.perf_counter() - started
-        return num_sealed / wall_s, (process_cpu_s(self.procs[mode].pid) - cpu) / num_sealed
+        return {"blocks_per_s": num_sealed / (time.perf_counter() - started),
+                "cpu_us_per_block": (process_cpu_s(self.procs[mode].pid) - cpu) / num_sealed * 1e6}
 
     def close(self) -> None:
         for pipe in self.pipes:
@@ -311,20 +336,19 @@ class SealBench:
             client.close()
 
 
-def summarise(samples: dict[str, list[tuple[float, float]]]) -> dict:
-    """Medians of (rate, CPU per block) per mode and the journal's cost on each."""
-    row = {}
-    for mode, pairs in samples.items():
-        row[f"{mode}_blocks_per_s"] = statistics.median(rate for rate, _ in pairs)
-        row[f"{mode}_cpu_us_per_block"] = statistics.median(cpu for _, cpu in pairs) * 1e6
-    row["journal_cost"] = 1 - row["journal_blocks_per_s"] / row["no_journal_blocks_per_s"]
-    row["journal_cpu_cost"] = 1 - (row["no_journal_cpu_us_per_block"]
-                                   / row["journal_cpu_us_per_block"])
-    row["rounds"] = samples
+def summarise(samples: dict[str, list[dict[str, float]]]) -> dict:
+    """Per metric: the median of each mode and the journal's cost (for a rate, 1 - journal /
+    plain; for CPU per block, 1 - plain / journal: the rate a CPU-bound daemon loses)."""
+    row: dict = {"rounds": samples}
+    for metric in samples["journal"][0]:
+        journal, plain = (statistics.median(sample[metric] for sample in samples[mode])
+                          for mode in ("journal", "no_journal"))
+        cost = 1 - plain / journal if metric.startswith("cpu") else 1 - journal / plain
+        row[metric] = {"journal": journal, "no_journal": plain, "journal_cost": cost}
     return row
 
 
-def bench_seal_throughput(seconds: float, num_rounds: int = 5) -> dict:
+def bench_seal_throughput(seconds: float, num_rounds: int = 10) -> dict:
     num_blocks = 262_144
     names = {"journal": f"bench-seal-j-{uuid.uuid4().hex[:8]}",
              "no_journal": f"bench-seal-n-{uuid.uuid4().hex[:8]}"}
@@ -342,8 +366,9 @@ def bench_seal_throughput(seconds: float, num_rounds: int = 5) -> dict:
             one: dict[str, list] = {mode: [] for mode in names}
             many: dict[str, list] = {mode: [] for mode in names}
             next_key = [0]
-            for _ in range(num_rounds):
-                for mode in names:  # interleaved: noise hits both modes alike
+            for round_index in range(num_rounds):
+                # Interleaved, first one then the other: noise hits both modes alike.
+                for mode in list(names)[::1 if round_index % 2 else -1]:
                     one[mode].append(bench.one_client(mode, batch_size, seconds / num_rounds,
                                                       next_key))
                     many[mode].append(bench.many_clients(mode, batch_size, seconds / num_rounds))
@@ -364,7 +389,9 @@ def bench_seal_throughput(seconds: float, num_rounds: int = 5) -> dict:
 def print_tables(results: dict) -> None:
     rec = results["recovery"]
     print(f"\nRecovery of a {rec['num_blocks']:,}-block pool after SIGKILL "
-          f"(goal <= {rec['goal_s']} s; fill took {rec['fill_s']:.1f} s)")
+          f"(goal <= {rec['goal_s']} s; fill took {rec['fill_s']:.1f} s). The journal's log "
+          f"holds {rec['num_log_records']:,} records ({rec['num_churned']:,} blocks replaced "
+          "after the fill: as long as compaction lets it grow)")
     columns = ("end_to_end_s", "journal_load_s", "segment_attach_s", "pool_build_s",
                "pool_restore_s", "generation_bump_s", "cli_ready_s")
     print("wall s (CPU s of this process: what a busy machine does not inflate)")
@@ -374,18 +401,23 @@ def print_tables(results: dict) -> None:
             f"{row[c]:8.3f} ({row[c[:-2] + '_cpu_s']:6.3f})" if c[:-2] + "_cpu_s" in row
             else f"{row[c]:17.3f}" for c in columns))
     seal = results["seal"]
-    print(f"\nSeal throughput (goal: journal cost <= {seal['goal_cost_at_16']:.0%} at batch 16). "
-          "k blocks/s: of seal calls with 1 client, of the round with 4;\n"
-          "daemon CPU us per sealed block (alloc + seal + release)")
-    print(f"{'clients':>7} {'batch':>5} {'no journal':>11} {'journal':>9} {'cost':>6}   "
-          f"{'CPU no journal':>14} {'CPU journal':>11} {'CPU cost':>8}")
+    print(f"\nSeal throughput (goal: journal cost <= {seal['goal_cost_at_16']:.0%} at batch 16), "
+          "medians of rounds; cost = what the journal takes off")
+    header = ("seal calls k blocks/s", "rounds k blocks/s", "daemon CPU us/block")
+    print(f"{'':13}" + "".join(f"{name:>30}" for name in header))
+    print(f"{'clients batch':13}" + f"{'plain':>10}{'journal':>10}{'cost':>10}" * len(header))
     for clients, batches in seal["clients"].items():
         for batch, row in batches.items():
-            print(f"{clients.split('_')[0]:>7} {batch:>5} "
-                  f"{row['no_journal_blocks_per_s'] / 1e3:11.1f} "
-                  f"{row['journal_blocks_per_s'] / 1e3:9.1f} {row['journal_cost']:6.1%}   "
-                  f"{row['no_journal_cpu_us_per_block']:14.1f} "
-                  f"{row['journal_cpu_us_per_block']:11.1f} {row['journal_cpu_cost']:8.1%}")
+            line = f"{clients.split('_')[0]:>7} {batch:>5}"
+            for metric, scale in (("seal_call_blocks_per_s", 1e3), ("blocks_per_s", 1e3),
+                                  ("cpu_us_per_block", 1)):
+                if metric not in row:
+                    line += f"{'-':>10}" * 3
+                    continue
+                cell = row[metric]
+                line += (f"{cell['no_journal'] / scale:10.1f}{cell['journal'] / scale:10.1f}"
+                         f"{cell['journal_cost']:10.1%}")
+            print(line)
 
 
 def private_dirs() -> str:

@@ -429,12 +429,11 @@ def _live_records(log: _LogState, rows: list[tuple[int, int, bytes]]) -> dict[in
     """The records of chunks `rows` that are still live, by key width."""
     chunk_of = np.frombuffer(log.chunk_of, dtype=np.int64)
     live: dict[int, list[np.ndarray]] = {}
-    for chunk_id, key_width, blob in rows:
-        records = np.frombuffer(blob, dtype=_record_dtype(key_width))
+    for records, chunk_ids in _runs(rows):  # many small chunks decode as one array
         is_live = records["kind"] == SEAL
         # Only SEAL records are looked up: a tombstone may name a block never placed here.
-        is_live[is_live] = chunk_of[records["block_id"][is_live]] == chunk_id
-        live.setdefault(key_width, []).append(records[is_live])
+        is_live[is_live] = chunk_of[records["block_id"][is_live]] == chunk_ids[is_live]
+        live.setdefault(records.dtype["key"].shape[0], []).append(records[is_live])
     return {key_width: np.concatenate(parts) for key_width, parts in live.items()}
 
 

@@ -18,8 +18,11 @@ leaves them. Each repeat then recovers in a fresh child:
 Geometry: 1 layer, 1 KV head, head_dim 8, block_size 1, float16 — 32-byte blocks, so the segment
 is 32 MiB and only metadata is measured.
 
-Seal throughput. Two real daemons side by side, one journaled and one `--no-journal`, at batch 1,
-16 and 256; each round runs on both in turn (interleaved, so machine noise hits both alike):
+Seal throughput. Two real daemons side by side, one journaled and one `--no-journal`, in two
+scenarios (SEAL_POOL_BLOCKS): a fresh pool that never evicts, and a full one where every
+allocation evicts (a warm cache: the journal also commits tombstones and compacts), at batch 1,
+16 and 256; each round runs on both in turn (interleaved, first one then the other, so noise
+hits both alike):
   * one client: alloc → seal → release; blocks sealed per second of seal calls (the round trip
     the client waits for, commit included) and per second of the whole loop, medians over
     rounds. Every seal is its own group commit: the worst case for the journal;
@@ -250,15 +253,22 @@ def bench_recovery(num_blocks: int, repeats: int) -> dict:
 
 # ---- seal throughput ------------------------------------------------------------------------
 NUM_CLIENTS = 4
+# Two scenarios. "fresh": a pool too big to fill during the bench, so no allocation evicts and
+# each round trip has one commit (the seal's). "full": sealed full first, so every allocation
+# evicts, and its reply waits for a commit of tombstones too (two commits a round trip); small
+# enough that the journal's log soon reaches the length where compaction runs: the steady state
+# of a warm cache.
+SEAL_POOL_BLOCKS = {"fresh": 1 << 21, "full": 1 << 16}
 
 
-def seal_round(client, batch_size: int, seconds: float,
-               next_key: list[int]) -> tuple[int, float]:
-    """alloc → seal → release until `seconds` passed: (blocks sealed, seconds spent in seals)."""
+def seal_round(client, batch_size: int, seconds: float, next_key: list[int],
+               num_rounds: int = 0) -> tuple[int, float]:
+    """alloc → seal → release until `seconds` passed and `num_rounds` were made: (blocks
+    sealed, seconds spent in seals)."""
     clock = time.perf_counter
     seal_s, num_sealed = 0.0, 0
     deadline = clock() + seconds
-    while clock() < deadline:
+    while clock() < deadline or num_sealed < num_rounds * batch_size:
         block_ids = client.alloc(batch_size)
         keys = digests(next_key[0], batch_size)
         next_key[0] += batch_size
@@ -349,7 +359,14 @@ def summarise(samples: dict[str, list[dict[str, float]]]) -> dict:
 
 
 def bench_seal_throughput(seconds: float, num_rounds: int = 10) -> dict:
-    num_blocks = 262_144
+    """Both scenarios (SEAL_POOL_BLOCKS), each with a fresh pair of daemons."""
+    return {"goal_cost_at_16": GOAL_JOURNAL_COST,
+            "scenarios": {scenario: bench_seal_scenario(scenario, seconds, num_rounds)
+                          for scenario in SEAL_POOL_BLOCKS}}
+
+
+def bench_seal_scenario(scenario: str, seconds: float, num_rounds: int) -> dict:
+    num_blocks = SEAL_POOL_BLOCKS[scenario]
     names = {"journal": f"bench-seal-j-{uuid.uuid4().hex[:8]}",
              "no_journal": f"bench-seal-n-{uuid.uuid4().hex[:8]}"}
     procs = {mode: start_cli(name, num_blocks, *(["--no-journal"] if mode == "no_journal"
@@ -360,9 +377,12 @@ def bench_seal_throughput(seconds: float, num_rounds: int = 10) -> dict:
         for mode, name in names.items():
             wait_ready(procs[mode], name)
         bench = SealBench(names, procs)
+        if scenario == "full":
+            for client in bench.clients.values():
+                seal_round(client, 4096, 0.0, [1 << 60], num_rounds=num_blocks // 4096)
         rows: dict[str, dict] = {"1_client": {}, f"{NUM_CLIENTS}_clients": {}}
         for batch_size in BATCH_SIZES:
-            progress(f"seal throughput, batch {batch_size} ...")
+            progress(f"seal throughput, {scenario} pool, batch {batch_size} ...")
             one: dict[str, list] = {mode: [] for mode in names}
             many: dict[str, list] = {mode: [] for mode in names}
             next_key = [0]
@@ -374,8 +394,7 @@ def bench_seal_throughput(seconds: float, num_rounds: int = 10) -> dict:
                     many[mode].append(bench.many_clients(mode, batch_size, seconds / num_rounds))
             rows["1_client"][str(batch_size)] = summarise(one)
             rows[f"{NUM_CLIENTS}_clients"][str(batch_size)] = summarise(many)
-        return {"num_blocks": num_blocks, "goal_cost_at_16": GOAL_JOURNAL_COST, "clients": rows,
-                "load_average": os.getloadavg()}
+        return {"num_blocks": num_blocks, "clients": rows, "load_average": os.getloadavg()}
     finally:
         if bench is not None:
             bench.close()
@@ -401,14 +420,20 @@ def print_tables(results: dict) -> None:
             f"{row[c]:8.3f} ({row[c[:-2] + '_cpu_s']:6.3f})" if c[:-2] + "_cpu_s" in row
             else f"{row[c]:17.3f}" for c in columns))
     seal = results["seal"]
-    print(f"\nSeal throughput (goal: journal cost <= {seal['goal_cost_at_16']:.0%} at batch 16), "
-          "medians of rounds; cost = what the journal takes off")
+    for scenario, result in seal["scenarios"].items():
+        print(f"\nSeal throughput, {scenario} pool of {result['num_blocks']:,} blocks (goal: "
+              f"journal cost <= {seal['goal_cost_at_16']:.0%} at batch 16), medians of rounds; "
+              "cost = what the journal takes off")
+        print_seal_table(result["clients"])
+
+
+def print_seal_table(clients: dict) -> None:
     header = ("seal calls k blocks/s", "rounds k blocks/s", "daemon CPU us/block")
     print(f"{'':13}" + "".join(f"{name:>30}" for name in header))
     print(f"{'clients batch':13}" + f"{'plain':>10}{'journal':>10}{'cost':>10}" * len(header))
-    for clients, batches in seal["clients"].items():
+    for num_clients, batches in clients.items():
         for batch, row in batches.items():
-            line = f"{clients.split('_')[0]:>7} {batch:>5}"
+            line = f"{num_clients.split('_')[0]:>7} {batch:>5}"
             for metric, scale in (("seal_call_blocks_per_s", 1e3), ("blocks_per_s", 1e3),
                                   ("cpu_us_per_block", 1)):
                 if metric not in row:

@@ -18,6 +18,11 @@ leaves them. Each repeat then recovers in a fresh child:
 Geometry: 1 layer, 1 KV head, head_dim 8, block_size 1, float16 — 32-byte blocks, so the segment
 is 32 MiB and only metadata is measured.
 
+Commit cost. In this process, a full pool of 65,536 blocks churned through a Journal (no
+sockets): CPU and wall time per commit at batch 1, 16 and 256 in the steady state (every
+allocation evicts, the log as long as compaction lets it grow); the max wall time is the longest
+stall a commit (with its compaction step) caused.
+
 Seal throughput. Two real daemons side by side, one journaled and one `--no-journal`, in two
 scenarios (SEAL_POOL_BLOCKS): a fresh pool that never evicts, and a full one where every
 allocation evicts (a warm cache: the journal also commits tombstones and compacts), at batch 1,
@@ -404,6 +409,51 @@ def bench_seal_scenario(scenario: str, seconds: float, num_rounds: int) -> dict:
                 proc.wait(60)
 
 
+# ---- commit cost in-process ----------------------------------------------------------------
+def bench_commit_cost(seconds: float, num_blocks: int = 65_536) -> dict:
+    """A full pool churned through the journal in this process (no sockets): CPU and wall time
+    of each commit of a round's evictions and seals, in the steady state where the log is as
+    long as compaction lets it grow; max wall is the longest stall a commit caused."""
+    from kvd.journal import Journal
+    from kvd.pool import BlockPool
+
+    rows = {}
+    for batch_size in BATCH_SIZES:
+        progress(f"commit cost in-process, batch {batch_size} ...")
+        with tempfile.TemporaryDirectory() as state_dir:
+            journal = Journal(state_dir)
+            pool = BlockPool(num_blocks, "default", observer=journal)
+            block_ids = pool.allocate(num_blocks, OWNER)
+            for start in range(0, num_blocks, 4096):
+                pool.seal(block_ids[start:start + 4096], digests(start, 4096), OWNER)
+                journal.commit()
+            pool.release(block_ids, OWNER)
+            next_key = num_blocks + churn(pool, journal, first_key=num_blocks)
+            rows[str(batch_size)] = time_commits(pool, journal, batch_size, seconds, next_key)
+            journal.close()
+    return {"num_blocks": num_blocks, "batches": rows}
+
+
+def time_commits(pool, journal, batch_size: int, seconds: float, next_key: int) -> dict:
+    cpu_ns, wall_ns = [], []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        block_ids = pool.allocate(batch_size, OWNER)
+        pool.seal(block_ids, digests(next_key, batch_size), OWNER)
+        next_key += batch_size
+        cpu, wall = time.thread_time_ns(), time.perf_counter_ns()
+        journal.commit()
+        cpu_ns.append(time.thread_time_ns() - cpu)
+        wall_ns.append(time.perf_counter_ns() - wall)
+        pool.release(block_ids, OWNER)
+    wall_ns.sort()
+    return {"num_commits": len(cpu_ns), "cpu_us": statistics.mean(cpu_ns) / 1e3,
+            "wall_us_p50": wall_ns[len(wall_ns) // 2] / 1e3,
+            "wall_us_p99": wall_ns[len(wall_ns) * 99 // 100] / 1e3,
+            "wall_us_max": wall_ns[-1] / 1e3,
+            "num_log_records": journal.num_log_records, "num_live": pool.num_cached}
+
+
 # ---- driver ---------------------------------------------------------------------------------
 def print_tables(results: dict) -> None:
     rec = results["recovery"]
@@ -419,6 +469,14 @@ def print_tables(results: dict) -> None:
         print(f"{index:>3} " + " ".join(
             f"{row[c]:8.3f} ({row[c[:-2] + '_cpu_s']:6.3f})" if c[:-2] + "_cpu_s" in row
             else f"{row[c]:17.3f}" for c in columns))
+    commits = results["commits"]
+    print(f"\nOne commit in-process (no sockets), a full pool of {commits['num_blocks']:,} blocks "
+          "churned: each allocation evicts, so a commit holds a round's tombstones and seals")
+    print(f"{'batch':>5} {'CPU us':>8} {'wall p50':>9} {'p99':>7} {'max us':>8} {'log/live':>9}")
+    for batch, row in commits["batches"].items():
+        print(f"{batch:>5} {row['cpu_us']:8.1f} {row['wall_us_p50']:9.1f} "
+              f"{row['wall_us_p99']:7.1f} {row['wall_us_max']:8.0f} "
+              f"{row['num_log_records'] / row['num_live']:9.2f}")
     seal = results["seal"]
     for scenario, result in seal["scenarios"].items():
         print(f"\nSeal throughput, {scenario} pool of {result['num_blocks']:,} blocks (goal: "
@@ -465,6 +523,7 @@ def run_bench(quick: bool, out: Path) -> str:
     base = private_dirs()
     try:
         results = {"recovery": bench_recovery(20_000 if quick else 1_000_000, 1 if quick else 3),
+                   "commits": bench_commit_cost(0.2 if quick else 1.0),
                    "seal": bench_seal_throughput(0.2 if quick else 1.0)}
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -496,6 +555,7 @@ def main(argv: list[str] | None = None) -> None:
     base = private_dirs()
     try:
         results = {"recovery": bench_recovery(args.num_blocks, args.repeats),
+                   "commits": bench_commit_cost(args.seconds),
                    "seal": bench_seal_throughput(args.seconds)}
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -52,6 +52,7 @@ BATCH_SIZES = (1, 16, 256)
 OPS = ("alloc", "seal", "release", "lookup")
 NUM_BLOCKS = 1 << 18  # nothing is evicted in a run: eviction is bench/pool.py's
 GOAL_RATIO_BATCH1 = 1.3
+CHUNK = 50  # request pairs per turn when kvd and the floor alternate in the CPU measurement
 GOAL_BLOCK_OPS_PER_S = 500_000
 _LENGTH = struct.Struct(">I")
 
@@ -213,6 +214,50 @@ def measure(daemon: Daemon, echo_path: str, batch_size: int, num_rounds: int,
     return row
 
 
+def cpu_ns(pid: int) -> int:
+    """Nanoseconds process `pid` has run on a CPU (/proc/PID/schedstat: exact, not in ticks)."""
+    with open(f"/proc/{pid}/schedstat") as file:
+        return int(file.read().split()[0])
+
+
+def measure_cpu(daemon: Daemon, echo: EchoServer, num_requests: int) -> dict[str, Any]:
+    """CPU µs per batch-1 lookup + release pair, on the server and in this (client) process.
+
+    Wall-clock round trips on a small shared VM swing with where the scheduler puts the two
+    processes and how fast an idle core wakes; the CPU each side burns per request swings less.
+    kvd and the floor alternate in chunks of CHUNK pairs, so slow drifts hit both alike.
+    """
+    args = {"hashes": digests(10**9, 1)}
+    totals = {name: [0, 0] for name in ("kvd", "echo")}
+    with daemon.connect() as client:
+        block_ids = client.alloc(1)
+        client.seal(block_ids, args["hashes"])
+        client.release(block_ids)
+        echo_client = EchoClient(echo.socket_path)
+        try:
+            sides = (("kvd", lambda: client.release(client.lookup(args["hashes"])),
+                      daemon.proc.pid),
+                     ("echo", lambda: (echo_client.call("lookup", args),
+                                       echo_client.call("release", {"block_ids": block_ids})),
+                      echo.proc.pid))
+            for _ in range(max(num_requests // CHUNK, 1)):
+                for name, call, pid in sides:
+                    server, mine = cpu_ns(pid), time.process_time_ns()
+                    for _ in range(CHUNK):
+                        call()
+                    totals[name][0] += cpu_ns(pid) - server
+                    totals[name][1] += time.process_time_ns() - mine
+        finally:
+            echo_client.close()
+    num_pairs = max(num_requests // CHUNK, 1) * CHUNK
+    rows: dict[str, Any] = {name: {"server_us": server / num_pairs / 1e3,
+                                   "client_us": mine / num_pairs / 1e3}
+                            for name, (server, mine) in totals.items()}
+    rows["ratio"] = ((rows["kvd"]["server_us"] + rows["kvd"]["client_us"])
+                     / (rows["echo"]["server_us"] + rows["echo"]["client_us"]))
+    return rows
+
+
 def _scratch() -> dict[str, list[int]]:
     """Samples of warm-up rounds, thrown away."""
     return {op: [] for op in OPS}
@@ -239,6 +284,8 @@ def run(quick: bool) -> dict[str, Any]:
                     rows[str(batch_size)] = measure(daemon, echo.socket_path, batch_size,
                                                     num_rounds, next_key)
                     next_key += (num_rounds + 5) * batch_size
+                results.setdefault("cpu_per_request", {})[mode] = measure_cpu(
+                    daemon, echo, 200 if quick else 4000)
             results["daemons"][mode] = rows
     return results
 
@@ -264,8 +311,17 @@ def markdown(results: dict[str, Any]) -> str:
              f"alloc/seal/release/lookup/release cycle {base['256']['cycle_block_ops_per_s']:,.0f} "
              f"(goal >= {GOAL_BLOCK_OPS_PER_S:,}: "
              f"{'met' if slowest >= GOAL_BLOCK_OPS_PER_S else 'NOT met'}).")
+    cpu_rows = [[mode, f"{row['kvd']['server_us']:.1f}", f"{row['kvd']['client_us']:.1f}",
+                 f"{row['echo']['server_us']:.1f}", f"{row['echo']['client_us']:.1f}",
+                 f"{row['ratio']:.2f}x"]
+                for mode, row in results["cpu_per_request"].items()]
+    cpu_table = markdown_table(["daemon", "kvd server CPU µs", "kvd client CPU µs",
+                                "echo server CPU µs", "echo client CPU µs",
+                                "kvd / floor (both sides)"], cpu_rows)
     return ("## Control plane: round trip vs a msgpack echo server (bench/control_plane.py)\n\n"
-            + table + "\n" + goals + "\n")
+            + table + "\n" + goals + "\n\nCPU per batch-1 request pair (lookup + release, "
+            "back to back; the steadier figure on a shared VM, where wall-clock round trips "
+            "swing with scheduling):\n\n" + cpu_table + "\n")
 
 
 def plot(results: dict[str, Any], out: Path) -> Path:

@@ -145,7 +145,7 @@ class Client:
     # ---- plumbing --------------------------------------------------------------------------
     def _call(self, op: str, args: dict[str, Any]) -> Any:
         """One request; if the daemon went away, reconnect and retry or raise (see RETRIED_OPS)."""
-        if self._is_forked or os.getpid() != self._pid:
+        if self._is_forked:  # set by os.register_at_fork in a child: no getpid() per call
             raise InUseError(f"this kvd connection belongs to process {self._pid}: call "
                              "kvd.connect() in the child process instead of sharing it")
         if self._sock is None:

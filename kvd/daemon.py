@@ -276,6 +276,7 @@ class Daemon:
             self.segment.unlink()
         if self.journal is not None:
             if self.keep_on_stop:
+                self._commit_journal()  # pending tombstones: a smaller log to replay
                 self.journal.close()
             else:
                 self.journal.remove()
@@ -388,7 +389,7 @@ class Daemon:
         request_id = None
         started = time.perf_counter()
         op = None
-        num_pending = self.journal.num_pending if self.journal is not None else 0
+        num_seals = self.journal.num_seals_pending if self.journal is not None else 0
         try:
             request_id, op, args = parse_request(unpack_body(body))
             result = self.service.handle(session, op, args)
@@ -404,14 +405,14 @@ class Daemon:
             reply = encode_error(request_id, InternalError(f"{type(exc).__name__}: {exc}"))
         if op in self.service.op_names:  # unknown op names would be unbounded metric labels
             self.ops.observe(op, time.perf_counter() - started)
-        is_journaled = self.journal is not None and self.journal.num_pending != num_pending
+        is_journaled = self.journal is not None and self.journal.num_seals_pending != num_seals
         return request_id, reply, is_journaled
 
     def _commit_and_reply(self) -> None:
         """Group commit: one journal transaction for the iteration, then every reply goes out.
 
-        Replies wait for the commit so that no client hears "sealed" before the seal is durable,
-        and no client gets an evicted block's id before the eviction is (see kvd/journal.py).
+        Replies wait for the commit so that no client hears "sealed" before the seal is durable
+        (see kvd/journal.py for why evictions need not force a commit).
         """
         failure = None
         if self.journal is not None:
@@ -437,7 +438,7 @@ class Daemon:
                 journal.rewrite(self.service.pool.journal_rows())
                 log.warning("journal writable again (%s): accepting writes", journal.path)
                 self.service.write_error = None
-            elif journal.is_dirty:
+            elif journal.num_seals_pending:  # tombstones alone wait (kvd/journal.py)
                 journal.commit()
         except JournalError as exc:
             if self.service.write_error is None:

@@ -95,3 +95,25 @@ def test_tiers_come_back_for_a_tiered_policy():
     pool.restore(rows_of((0, b"a", 0, NO_PARENT, 0, 0), (1, b"b", 0, 0, 0, 1)))
     assert [row[5] for row in sorted(pool.journal_rows())] == [0, 1]
     pool.check_invariants()
+
+
+def test_an_uncommitted_eviction_never_restores_the_new_owners_bytes(tmp_path):
+    """Tombstones ride with the next seal's commit; a crash before it must still not restore an
+    evicted block under its old hash: the eviction bumped the block's generation first."""
+    from test_journal import on_disk
+
+    journal = Journal(tmp_path / "state")
+    pool = BlockPool(2, "lru", observer=journal)
+    old = pool.allocate(2, owner=1)
+    pool.seal(old, [b"old-0", b"old-1"], owner=1)
+    pool.release(old, owner=1)
+    journal.commit()
+    reused = pool.allocate(1, owner=2)  # evicts one; its tombstone is only buffered
+    assert journal.num_seals_pending == 0 and journal.is_dirty
+    crashed = on_disk(journal.state_dir)  # the daemon dies here, before any further commit
+    journal.close()
+    fresh = BlockPool(2, "lru", generations=pool.generations.copy())
+    fresh.restore(crashed)
+    assert fresh.state(reused[0]) == "free"  # dropped: the generation moved on
+    assert fresh.num_cached == 1
+    fresh.check_invariants()

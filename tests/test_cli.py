@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
 import kvd
 from kvd.runtime import DaemonPaths
+from conftest import daemon_name
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--num-blocks", "16", "--layers", "1", "--kv-heads", "1", "--head-dim", "8",
@@ -70,7 +70,7 @@ def test_sigterm_and_sigint_stop_cleanly(kvd_daemon, signum):
 
 
 def test_stop_status_and_stats_of_a_daemon_that_is_not_running():
-    name = f"t-{uuid.uuid4().hex[:10]}"
+    name = daemon_name()
     stop = kvd_cli("stop", "--name", name)
     assert stop.returncode == 1 and "no daemon named" in stop.stderr
     status = kvd_cli("status", "--name", name)
@@ -79,7 +79,7 @@ def test_stop_status_and_stats_of_a_daemon_that_is_not_running():
 
 
 def test_detach_status_stats_stop_round_trip():
-    name = f"t-{uuid.uuid4().hex[:10]}"
+    name = daemon_name()
     paths = DaemonPaths.for_name(name)
     try:
         started = kvd_cli("start", "--name", name, "--detach", "--policy", "lru", *TINY)
@@ -112,7 +112,7 @@ def test_detach_status_stats_stop_round_trip():
 
 
 def test_a_pool_larger_than_dev_shm_is_a_one_line_error_at_start():
-    name = f"t-{uuid.uuid4().hex[:10]}"
+    name = daemon_name()
     paths = DaemonPaths.for_name(name)
     free_nbytes = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
     memory = f"{free_nbytes // (1 << 20) * 2 + 1024}M"  # twice what is free

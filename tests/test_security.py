@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import pytest
 import kvd
 from kvd.runtime import DaemonPaths, runtime_dir
 
-from conftest import ROOT, child_env
+from conftest import ROOT, child_env, daemon_name
 NOBODY = 65534
 
 pytestmark = [
@@ -98,7 +97,7 @@ def open_dir() -> Iterator[Path]:
 
 def test_so_peercred_refuses_another_uid_even_on_a_world_writable_socket(tmp_path, open_dir):
     socket_path = str(open_dir / "kvd.sock")
-    name = f"t-{uuid.uuid4().hex[:10]}"
+    name = daemon_name()
     paths = DaemonPaths.for_name(name, socket_path)
     log_path = tmp_path / "daemon.log"
     with open(log_path, "wb") as log:

@@ -97,7 +97,7 @@ def test_sealed_then_evicted_in_one_commit_leaves_no_row(journal):
     # evicted block survived and recovery restored its new owner's bytes under the old hash.
     seal(journal, 3, b"h3")
     journal.evicted(3)
-    assert journal.num_pending == 2  # both changes count: the daemon holds both replies
+    assert journal.num_pending == 2 and journal.num_seals_pending == 1  # the seal holds its reply
     journal.commit()
     assert reopened(journal) == ([], [])
 

@@ -21,6 +21,7 @@ Goals (issue 5): p50 <= 1.3x the floor at batch 1; >= 500,000 block-ops/s at bat
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import selectors
 import shutil
@@ -103,6 +104,41 @@ def _echo(sock: socket.socket, buffers: dict[socket.socket, bytearray],
     sock.sendall(b"".join(replies))
 
 
+class _EchoProtocol(asyncio.Protocol):
+    """The same echo as `serve_echo`, as an asyncio Protocol: what kvd would run on asyncio."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.buffer = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        buffer += data
+        replies, offset = [], 0
+        while len(buffer) - offset >= 4:
+            (nbytes,) = _LENGTH.unpack_from(buffer, offset)
+            end = offset + 4 + nbytes
+            if end > len(buffer):
+                break
+            request = msgpack.unpackb(buffer[offset + 4:end])
+            body = msgpack.packb([request[0], True, None])
+            replies.append(_LENGTH.pack(len(body)) + body)
+            offset = end
+        del buffer[:offset]
+        self.transport.write(b"".join(replies))
+
+
+def serve_echo_asyncio(socket_path: str) -> None:
+    """`serve_echo` on asyncio's event loop with a Protocol (not streams), until SIGTERM."""
+    async def serve() -> None:
+        server = await asyncio.get_running_loop().create_unix_server(_EchoProtocol, socket_path)
+        async with server:
+            await server.serve_forever()
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    asyncio.run(serve())
+
+
 class EchoClient:
     """The floor's client: pack, send, read one reply — nothing else."""
 
@@ -128,11 +164,12 @@ class EchoClient:
 class EchoServer:
     """The echo server in a subprocess (its own interpreter, as the daemon has); context manager."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop: str = "selectors") -> None:
         self.directory = tempfile.mkdtemp(prefix="kvde-", dir="/tmp")
         self.socket_path = os.path.join(self.directory, "echo.sock")
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.control_plane", "--echo-server",
-                                      self.socket_path], env=child_env(), cwd=ROOT)
+                                      self.socket_path, "--echo-loop", loop],
+                                     env=child_env(), cwd=ROOT)
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -258,6 +295,31 @@ def measure_cpu(daemon: Daemon, echo: EchoServer, num_requests: int) -> dict[str
     return rows
 
 
+def measure_event_loops(num_requests: int) -> dict[str, Any]:
+    """Why kvd's daemon is a selectors loop: the same echo on selectors and on an asyncio
+    Protocol, alternating in chunks of CHUNK requests (round trip p50 and server CPU)."""
+    args = {"num_blocks": 1}
+    with EchoServer("selectors") as plain, EchoServer("asyncio") as on_asyncio:
+        sides = [(name, EchoClient(server.socket_path), server.proc.pid)
+                 for name, server in (("selectors", plain), ("asyncio", on_asyncio))]
+        samples: dict[str, list[int]] = {name: [] for name, _, _ in sides}
+        cpu: dict[str, int] = {name: 0 for name, _, _ in sides}
+        try:
+            for _ in range(max(num_requests // CHUNK, 1)):
+                for name, client, pid in sides:
+                    before = cpu_ns(pid)
+                    for _ in range(CHUNK):
+                        start = time.perf_counter_ns()
+                        client.call("alloc", args)
+                        samples[name].append(time.perf_counter_ns() - start)
+                    cpu[name] += cpu_ns(pid) - before
+        finally:
+            for _, client, _ in sides:
+                client.close()
+    return {name: {**percentiles(samples[name]),
+                   "server_cpu_us": cpu[name] / len(samples[name]) / 1e3} for name in samples}
+
+
 def _scratch() -> dict[str, list[int]]:
     """Samples of warm-up rounds, thrown away."""
     return {op: [] for op in OPS}
@@ -287,6 +349,8 @@ def run(quick: bool) -> dict[str, Any]:
                 results.setdefault("cpu_per_request", {})[mode] = measure_cpu(
                     daemon, echo, 200 if quick else 4000)
             results["daemons"][mode] = rows
+    progress("control plane: event loops (selectors vs asyncio Protocol echo)")
+    results["event_loops"] = measure_event_loops(200 if quick else 4000)
     return results
 
 
@@ -318,8 +382,15 @@ def markdown(results: dict[str, Any]) -> str:
     cpu_table = markdown_table(["daemon", "kvd server CPU µs", "kvd client CPU µs",
                                 "echo server CPU µs", "echo client CPU µs",
                                 "kvd / floor (both sides)"], cpu_rows)
+    loops = results["event_loops"]
+    loop_table = markdown_table(
+        ["echo server on", "p50 µs", "p99 µs", "server CPU µs / request"],
+        [[name, f"{row['p50_us']:.1f}", f"{row['p99_us']:.1f}", f"{row['server_cpu_us']:.1f}"]
+         for name, row in loops.items()])
     return ("## Control plane: round trip vs a msgpack echo server (bench/control_plane.py)\n\n"
-            + table + "\n" + goals + "\n\nCPU per batch-1 request pair (lookup + release, "
+            + table + "\n" + goals + "\n\nThe event loop the daemon runs on (the same echo "
+            "server on a selectors loop and on an asyncio Protocol, alternating):\n\n"
+            + loop_table + "\n\nCPU per batch-1 request pair (lookup + release, "
             "back to back; the steadier figure on a shared VM, where wall-clock round trips "
             "swing with scheduling):\n\n" + cpu_table + "\n")
 
@@ -364,9 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run (few rounds)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--echo-server", metavar="SOCKET", help=argparse.SUPPRESS)
+    parser.add_argument("--echo-loop", choices=("selectors", "asyncio"), default="selectors",
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.echo_server:
-        serve_echo(args.echo_server)
+        (serve_echo_asyncio if args.echo_loop == "asyncio" else serve_echo)(args.echo_server)
         return 0
     print(run_bench(args.quick, args.out))
     return 0

@@ -88,8 +88,12 @@ def _echo(sock: socket.socket, buffers: dict[socket.socket, bytearray],
         del buffers[sock]
         sock.close()
         return
-    buffer = buffers[sock]
-    buffer += data
+    buffers[sock] += data
+    sock.sendall(_echo_replies(buffers[sock]))
+
+
+def _echo_replies(buffer: bytearray) -> bytes:
+    """Answer every complete frame in `buffer` with `[id, True, None]`; consume those frames."""
     replies, offset = [], 0
     while len(buffer) - offset >= 4:
         (nbytes,) = _LENGTH.unpack_from(buffer, offset)
@@ -101,7 +105,7 @@ def _echo(sock: socket.socket, buffers: dict[socket.socket, bytearray],
         replies.append(_LENGTH.pack(len(body)) + body)
         offset = end
     del buffer[:offset]
-    sock.sendall(b"".join(replies))
+    return b"".join(replies)
 
 
 class _EchoProtocol(asyncio.Protocol):
@@ -112,20 +116,8 @@ class _EchoProtocol(asyncio.Protocol):
         self.buffer = bytearray()
 
     def data_received(self, data: bytes) -> None:
-        buffer = self.buffer
-        buffer += data
-        replies, offset = [], 0
-        while len(buffer) - offset >= 4:
-            (nbytes,) = _LENGTH.unpack_from(buffer, offset)
-            end = offset + 4 + nbytes
-            if end > len(buffer):
-                break
-            request = msgpack.unpackb(buffer[offset + 4:end])
-            body = msgpack.packb([request[0], True, None])
-            replies.append(_LENGTH.pack(len(body)) + body)
-            offset = end
-        del buffer[:offset]
-        self.transport.write(b"".join(replies))
+        self.buffer += data
+        self.transport.write(_echo_replies(self.buffer))
 
 
 def serve_echo_asyncio(socket_path: str) -> None:

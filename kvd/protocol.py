@@ -62,7 +62,8 @@ MAX_STR_NBYTES = 64 * 1024
 MAX_ARRAY_LEN = MAX_FRAME_NBYTES
 MAX_MAP_LEN = 4096
 MAX_OP_NBYTES = 64
-MAX_REQUEST_ID = 2**64 - 1
+MAX_UINT64 = 2**64 - 1  # the largest int msgpack carries
+MAX_REQUEST_ID = MAX_UINT64
 
 _LENGTH = struct.Struct(">I")
 _REQUIRED: Any = object()
@@ -286,9 +287,12 @@ def arg_int_list(args: dict[str, Any], name: str, max_len: int,
     if type(value) is not list or len(value) > max_len:
         raise BadArgsError(f"{name} must be a list of at most {max_len} ints, got "
                            f"{_describe(value)}")
-    if value and (not all(type(item) is int for item in value) or min(value) < 0
-                  or (max_value is not None and max(value) > max_value)):
-        raise BadArgsError(f"{name} must hold only ints {_range_text(0, max_value)}")
+    # One plain loop, not all(genexpr) + min + max: a batch-1 request pays ~0.5 µs less
+    # (bench/control_plane.py), and large batches still scan once.
+    limit = MAX_UINT64 if max_value is None else max_value
+    for item in value:
+        if type(item) is not int or not 0 <= item <= limit:
+            raise BadArgsError(f"{name} must hold only ints {_range_text(0, max_value)}")
     return value
 
 
@@ -304,16 +308,19 @@ def arg_bytes(args: dict[str, Any], name: str, max_nbytes: int, default: Any = _
 
 
 def arg_bytes_list(args: dict[str, Any], name: str, max_len: int,
-                   item_nbytes: int | None = None) -> list[bytes]:
-    """A list of at most `max_len` binary strings, each exactly `item_nbytes` long if given."""
+                   max_item_nbytes: int) -> list[bytes]:
+    """A list of at most `max_len` binary strings of 1 to `max_item_nbytes` bytes each."""
     value = args[name] if name in args else _default(name, _REQUIRED)
     if type(value) is not list or len(value) > max_len:
         raise BadArgsError(f"{name} must be a list of at most {max_len} binary strings, got "
                            f"{_describe(value)}")
-    if not all(type(item) is bytes for item in value):
-        raise BadArgsError(f"{name} must hold only binary strings (msgpack bin, Python bytes)")
-    if item_nbytes is not None and any(len(item) != item_nbytes for item in value):
-        raise BadArgsError(f"every item of {name} must be exactly {item_nbytes} bytes")
+    for item in value:  # one plain loop, as in arg_int_list
+        if type(item) is not bytes:
+            raise BadArgsError(f"{name} must hold only binary strings (msgpack bin, Python "
+                               "bytes)")
+        if not 0 < len(item) <= max_item_nbytes:
+            raise BadArgsError(f"every item of {name} must be 1 to {max_item_nbytes} bytes, "
+                               f"got one of {len(item)}")
     return value
 
 

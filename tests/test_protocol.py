@@ -289,13 +289,14 @@ def test_arg_bytes_and_bytes_list():
         with pytest.raises(BadArgsError, match="salt must be binary of at most 2 bytes"):
             arg_bytes({"salt": bad}, "salt", max_nbytes=2)
     hashes = [b"\0" * 16, b"\1" * 16]
-    assert arg_bytes_list({"h": hashes}, "h", max_len=2, item_nbytes=16) == hashes
-    with pytest.raises(BadArgsError, match="exactly 16 bytes"):
-        arg_bytes_list({"h": [b"\0" * 15]}, "h", max_len=2, item_nbytes=16)
+    assert arg_bytes_list({"h": hashes}, "h", max_len=2, max_item_nbytes=16) == hashes
+    for bad in (b"", b"\0" * 17):
+        with pytest.raises(BadArgsError, match="must be 1 to 16 bytes"):
+            arg_bytes_list({"h": [b"\0" * 16, bad]}, "h", max_len=2, max_item_nbytes=16)
     with pytest.raises(BadArgsError, match="only binary strings"):
-        arg_bytes_list({"h": ["x"]}, "h", max_len=2)
+        arg_bytes_list({"h": [b"\0", "x"]}, "h", max_len=2, max_item_nbytes=16)
     with pytest.raises(BadArgsError, match="at most 1 binary"):
-        arg_bytes_list({"h": hashes}, "h", max_len=1)
+        arg_bytes_list({"h": hashes}, "h", max_len=1, max_item_nbytes=16)
 
 
 def test_arg_str_and_bool():

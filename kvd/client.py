@@ -8,7 +8,8 @@ requests carry only metadata — block ids, hashes, token ids — and KV bytes a
 in place through NumPy views of the mapping (`pool`, `view`), never through the socket.
 
 The client is synchronous: one request in flight, its reply read before the call returns. That
-keeps a call's cost at one round trip and needs no threads. A `Client` belongs to the process that
+keeps a call's cost at one round trip and needs no threads. A `Client` is not thread-safe (one
+socket, one reply in flight): give each thread its own `kvd.connect()`. A `Client` belongs to the process that
 made it: in a forked child every call raises InUseError, because the child would otherwise share
 the parent's session (and its pins) silently. Call `kvd.connect()` again in the child.
 
@@ -39,7 +40,7 @@ from kvd.errors import BadArgsError, DeniedError, DisconnectedError, InUseError
 from kvd.geometry import Geometry
 from kvd.hashing import token_bytes
 from kvd.protocol import (
-    PROTOCOL_VERSION, FrameDecoder, encode_request, parse_reply, unpack_body,
+    PROTOCOL_VERSION, FrameDecoder, FrameEncoder, parse_reply, unpack_body,
 )
 from kvd.runtime import resolve_socket
 from kvd.segment import Segment
@@ -104,6 +105,7 @@ class Client:
         # Reused for every reply (the decoder copies what it keeps): sock.recv(_RECV_NBYTES)
         # would have malloc map, fault in and unmap 256 KiB per call (bench/control_plane.py).
         self._recv_view = memoryview(bytearray(_RECV_NBYTES))
+        self._encoder = FrameEncoder()  # a Client is used by one thread at a time
         self._pid = os.getpid()
         self._is_forked = False
         try:
@@ -169,7 +171,7 @@ class Client:
         request_id = self._next_id
         self._next_id += 1
         try:
-            self._sock.sendall(encode_request(request_id, op, args))
+            self._sock.sendall(self._encoder.request(request_id, op, args))
             body = self._read_body()
         except OSError as exc:
             raise DisconnectedError(f"lost the kvd daemon at {self.socket_path}: {exc}") from None

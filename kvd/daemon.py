@@ -50,7 +50,7 @@ from kvd.journal import JOURNAL_VERSION, Journal, failpoint
 from kvd.metrics import OpStats, serve_metrics
 from kvd.policies import make_policy
 from kvd.pool import BlockPool, IndexRows
-from kvd.protocol import FrameDecoder, encode_error, encode_result, parse_request, unpack_body
+from kvd.protocol import FrameDecoder, FrameEncoder, encode_error, parse_request, unpack_body
 from kvd.runtime import DaemonPaths
 from kvd.runtime import state_dir as state_dir_of
 from kvd.segment import LAYOUT_VERSION, Segment, current_boot_id
@@ -144,6 +144,7 @@ class Daemon:
         # One receive buffer for every connection (the decoder copies what it keeps):
         # sock.recv(RECV_NBYTES) would have malloc map and unmap 256 KiB on every call.
         self._recv_view = memoryview(bytearray(RECV_NBYTES))
+        self._encoder = FrameEncoder()  # the loop's own: replies are packed on this thread only
         self._signal_r, self._signal_w = socket.socketpair()
         self._signal_r.setblocking(False)
         self._signal_w.setblocking(False)
@@ -189,6 +190,7 @@ class Daemon:
                 "daemon_pid": os.getpid(), "name": self.paths.name}
         self.service = Service(pool, self.geometry, _block_copier(self.segment.pool), info,
                                self.ops, on_shutdown=self._on_shutdown)
+        self._op_names = self.service.op_names
         if self.journal is not None:
             self.service.journal_state = "ok"
 
@@ -405,18 +407,18 @@ class Daemon:
         num_seals = self.journal.num_seals_pending if self.journal is not None else 0
         try:
             request_id, op, args = parse_request(unpack_body(body))
-            result = self.service.handle(session, op, args)
-            reply = encode_result(request_id, result)
+            reply = self._encoder.result(request_id, self.service.handle(session, op, args))
         except KvdError as exc:
             if isinstance(exc, ProtocolError) and request_id is None:
                 request_id = getattr(exc, "request_id", None)
             self.ops.error(exc.code)
-            reply = encode_error(request_id, exc)
+            reply = self._encoder.error(request_id, exc)
         except Exception as exc:  # a kvd bug: answer it, log it, keep serving everyone
             log.exception("internal error handling %s for session %d", op, session.session_id)
             self.ops.error("INTERNAL")
-            reply = encode_error(request_id, InternalError(f"{type(exc).__name__}: {exc}"))
-        if op in self.service.op_names:  # unknown op names would be unbounded metric labels
+            reply = self._encoder.error(request_id,
+                                        InternalError(f"{type(exc).__name__}: {exc}"))
+        if op in self._op_names:  # unknown op names would be unbounded metric labels
             self.ops.observe(op, time.perf_counter() - started)
         is_journaled = self.journal is not None and self.journal.num_seals_pending != num_seals
         return request_id, reply, is_journaled

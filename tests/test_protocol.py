@@ -17,7 +17,7 @@ from kvd.errors import (
     TooLargeError,
 )
 from kvd.protocol import (
-    MAX_FRAME_NBYTES, FrameDecoder, Request, arg_bool, arg_bytes, arg_bytes_list, arg_int,
+    MAX_FRAME_NBYTES, FrameDecoder, FrameEncoder, arg_bool, arg_bytes, arg_bytes_list, arg_int,
     arg_int_list, arg_str, check_no_extra, encode_error, encode_frame, encode_request,
     encode_result, parse_reply, parse_request, unpack_body,
 )
@@ -172,8 +172,7 @@ def test_request_round_trip():
     frame = encode_request(42, "lookup", {"hashes": [b"\1" * 16]})
     (body,) = FrameDecoder().feed(frame)
     request = parse_request(unpack_body(body))
-    assert request == Request(42, "lookup", {"hashes": [b"\1" * 16]})
-    assert request.request_id == 42 and request.op == "lookup"
+    assert request == (42, "lookup", {"hashes": [b"\1" * 16]})
 
 
 def test_result_round_trip():
@@ -316,3 +315,15 @@ def test_check_no_extra():
     check_no_extra({}, ())
     with pytest.raises(BadArgsError, match=r"unknown arguments \['c'\]; valid: \['a', 'b'\]"):
         check_no_extra({"a": 1, "c": 2}, ("a", "b"))
+
+
+def test_frame_encoder_matches_the_module_functions_and_keeps_the_cap():
+    encoder = FrameEncoder()
+    assert encoder.request(7, "alloc", {"num_blocks": 2}) == encode_request(
+        7, "alloc", {"num_blocks": 2})
+    assert encoder.result(7, [1, 2]) == encode_result(7, [1, 2])
+    exc = BadArgsError("no")
+    assert encoder.error(None, exc) == encode_error(None, exc)
+    with pytest.raises(TooLargeError):
+        encoder.result(7, b"\0" * MAX_FRAME_NBYTES)
+    assert encoder.result(8, None) == encode_result(8, None)  # still usable after the failure

@@ -441,13 +441,29 @@ class Daemon:
 
     def _send_pending(self, connection: Connection, failure: JournalError | None) -> None:
         """Send the connection's replies; `failure` replaces those that awaited a failed commit."""
-        output = connection.output
+        replies = []
         for request_id, reply, is_journaled in connection.pending:
             if failure is not None and is_journaled:
                 self.ops.error(failure.code)
                 reply = encode_error(request_id, failure)
-            output += reply
+            replies.append(reply)
         connection.pending.clear()
+        self._send(connection, b"".join(replies))  # one reply: joined without a copy
+
+    def _send(self, connection: Connection, data: bytes) -> None:
+        """Send `data` after any output still queued; queue what the socket does not take."""
+        if not connection.output:  # the common case: straight to the socket, no buffer copies
+            try:
+                sent = connection.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self._close(connection, f"send failed: {exc}")
+                return
+            if sent == len(data):
+                return
+            data = data[sent:]
+        connection.output += data
         self._flush(connection)
 
     def _commit_journal(self) -> JournalError | None:

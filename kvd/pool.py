@@ -131,9 +131,13 @@ class BlockPool:
         self.policy = make_policy(policy, num_blocks) if isinstance(policy, str) else policy
         if generations is None:
             generations = np.zeros(num_blocks, dtype=np.uint64)
-        if generations.shape != (num_blocks,):
-            raise BadArgsError(f"generations must have shape ({num_blocks},), got {generations.shape}")
+        if (generations.shape != (num_blocks,) or generations.dtype != np.uint64
+                or not generations.flags.c_contiguous):
+            raise BadArgsError(f"generations must be a contiguous uint64 array of shape "
+                               f"({num_blocks},), got {generations.dtype} {generations.shape}")
         self.generations = generations
+        # The same counters as a flat memoryview: bumping one costs half a NumPy scalar update.
+        self._generations = memoryview(generations).cast("B").cast("Q")
         self.observer = observer
         self._state = bytearray(num_blocks)
         self._refs = [0] * num_blocks
@@ -207,8 +211,8 @@ class BlockPool:
         """
         if not isinstance(num_blocks, int) or num_blocks < 0:
             raise BadArgsError(f"allocate needs a non-negative int block count, got {num_blocks!r}")
-        if num_blocks > len(self._free) + len(self.policy):
-            return None
+        if num_blocks > self.num_blocks - self._num_owned - self._num_sealed:
+            return None  # (free + cached, without a call to the policy's __len__)
         if not num_blocks:
             return []  # and no empty holdings entry for an owner that holds nothing
         while len(self._free) < num_blocks:
@@ -239,6 +243,9 @@ class BlockPool:
         Pinned descendants stay (their holders read them) but become orphans, freed on their
         last release; `_evict` cuts them off from their evicted parents.
         """
+        if self._first_child[root] == NO_BLOCK:  # a leaf, the common victim: no walk
+            self._evict(root)
+            return
         visit = [root]
         first_child, next_sibling, state = self._first_child, self._next_sibling, self._state
         for block_id in visit:  # grows while it is walked: every parent before its children
@@ -297,7 +304,7 @@ class BlockPool:
         self._tier[block_id] = 0
         self._is_orphan[block_id] = 0
         self._refs[block_id] = 0
-        self.generations[block_id] += 1
+        self._generations[block_id] += 1
         self._free.append(block_id)
 
     # ---- sealing, lookup, pinning -------------------------------------------------------

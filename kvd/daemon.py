@@ -38,6 +38,7 @@ import signal
 import socket
 import struct
 import time
+from time import perf_counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +146,7 @@ class Daemon:
         # sock.recv(RECV_NBYTES) would have malloc map and unmap 256 KiB on every call.
         self._recv_view = memoryview(bytearray(RECV_NBYTES))
         self._encoder = FrameEncoder()  # the loop's own: replies are packed on this thread only
+        self._frame = self._encoder.frame
         self._signal_r, self._signal_w = socket.socketpair()
         self._signal_r.setblocking(False)
         self._signal_w.setblocking(False)
@@ -191,6 +193,7 @@ class Daemon:
         self.service = Service(pool, self.geometry, _block_copier(self.segment.pool), info,
                                self.ops, on_shutdown=self._on_shutdown)
         self._op_names = self.service.op_names
+        self._handle = self.service.handle
         if self.journal is not None:
             self.service.journal_state = "ok"
 
@@ -307,6 +310,7 @@ class Daemon:
     # round trip, and more after a wake-up with cold caches).
     def serve_forever(self) -> None:
         select = self._selector.select
+        choose_next_victim = self.service.pool.choose_next_victim
         try:
             while not self._is_stopping:
                 for key, mask in select(timeout=1.0):
@@ -318,6 +322,9 @@ class Daemon:
                         if connection is not None:
                             self._close(connection, "internal error")
                 self._commit_and_reply()
+                # The replies are out: while the clients think, ask the policy for the next
+                # victim of a full pool, a third of the next allocation's eviction (kvd/pool.py).
+                choose_next_victim()
         finally:
             log.info("stopped: %s", "kept segment for restart" if self.keep_on_stop
                      else "segment and socket removed")
@@ -401,13 +408,13 @@ class Daemon:
 
     def _reply(self, session: Session, body: bytes) -> tuple[int | None, bytes, bool]:
         """Handle one frame body: (request id, reply frame, whether it awaits the journal)."""
-        request_id = None
-        started = time.perf_counter()
-        op = None
-        num_seals = self.journal.num_seals_pending if self.journal is not None else 0
+        started = perf_counter()
+        request_id = op = None
+        journal = self.journal
+        num_seals = journal.num_seals_pending if journal is not None else 0
         try:
             request_id, op, args = parse_request(unpack_body(body))
-            reply = self._encoder.result(request_id, self.service.handle(session, op, args))
+            reply = self._frame([request_id, True, self._handle(session, op, args)])
         except KvdError as exc:
             if isinstance(exc, ProtocolError) and request_id is None:
                 request_id = getattr(exc, "request_id", None)
@@ -419,9 +426,8 @@ class Daemon:
             reply = self._encoder.error(request_id,
                                         InternalError(f"{type(exc).__name__}: {exc}"))
         if op in self._op_names:  # unknown op names would be unbounded metric labels
-            self.ops.observe(op, time.perf_counter() - started)
-        is_journaled = self.journal is not None and self.journal.num_seals_pending != num_seals
-        return request_id, reply, is_journaled
+            self.ops.observe(op, perf_counter() - started)
+        return request_id, reply, journal is not None and journal.num_seals_pending != num_seals
 
     def _commit_and_reply(self) -> None:
         """Group commit: one journal transaction for the iteration, then every held reply goes out.

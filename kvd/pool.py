@@ -44,7 +44,15 @@ arise from raw pins of a chain's middle: a sequence pins its whole chain from th
 they were unreachable, so nothing of value is lost. The journal records each block's parent, so
 `restore` rebuilds the tree.
 
-The policy sees only CACHED keys (see kvd/policies/base.py); `_num_cached == len(policy)`.
+The policy sees only CACHED keys (see kvd/policies/base.py). One exception: the victim chosen
+ahead of need. On a full pool every allocation must evict, and asking the policy for its victim
+is about a third of that work; `choose_next_victim()` lets the daemon ask while it is idle
+(after the replies of a loop iteration went out). The chosen block stays CACHED and indexed --
+nothing is evicted early, a lookup still finds it -- but the policy has let it go (`victim()`
+returned it), so the pool remembers it in `_next_victim`: the next eviction takes it, and a hit
+before then cancels the choice (the block is pinned; the policy hears of it again when it is
+inserted on release, as of any key it chose). So `num_cached == len(policy)` plus one while a
+victim is chosen.
 
 Duplicates: sealing a hash that another block already holds leaves the sealer's block SEALED but
 out of the index. Its ids stay valid for the sealer (a worker's block table never changes under
@@ -153,6 +161,7 @@ class BlockPool:
         self._held: dict[int, dict[int, int]] = {}
         self._num_owned = 0
         self._num_sealed = 0
+        self._next_victim = NO_BLOCK  # CACHED, indexed, already out of the policy (docstring)
         # Cumulative; named apart from the state counts (an "evictions" total, "cached" now).
         self.counters = {"allocations": 0, "evictions": 0, "seals": 0, "lookups": 0,
                          "lookup_blocks": 0, "hit_blocks": 0}
@@ -172,12 +181,12 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return len(self.policy)
+        return self.num_blocks - len(self._free) - self._num_owned - self._num_sealed
 
     @property
     def num_available(self) -> int:
         """Blocks an allocation could get right now: free plus evictable."""
-        return len(self._free) + len(self.policy)
+        return self.num_blocks - self._num_owned - self._num_sealed
 
     def state(self, block_id: int) -> str:
         return STATE_NAMES[self._state[self._checked_id(block_id)]]
@@ -229,13 +238,30 @@ class BlockPool:
         return block_ids
 
     def _evict_one(self) -> None:
+        block_id = self._next_victim
+        if block_id == NO_BLOCK:
+            block_id = self._policy_victim()
+        else:
+            self._next_victim = NO_BLOCK
+        self._evict_subtree(block_id)
+
+    def _policy_victim(self) -> int:
+        """Ask the policy for its victim (it stops tracking it); returns the block id."""
         key = self.policy.victim()
         block_id = self._index.get(key) if key is not None else None
         if block_id is None or self._state[block_id] != CACHED:
             raise InternalError(
                 f"policy {self.policy.name!r} chose victim {key!r} that is not a cached block "
                 f"(block {block_id}): bug in the policy or in the pool's event calls")
-        self._evict_subtree(block_id)
+        return block_id
+
+    def choose_next_victim(self) -> None:
+        """If the pool is full, take the policy's next victim now (module docstring): the next
+        allocation then only executes the eviction. Cheap when there is nothing to do."""
+        if (self._next_victim == NO_BLOCK and not self._free
+                and self._num_owned + self._num_sealed < self.num_blocks):
+            self._next_victim = self._policy_victim()
+
 
     def _evict_subtree(self, root: int) -> None:
         """Evict `root` (no longer in the policy) and its cached descendants, children first.
@@ -257,6 +283,8 @@ class BlockPool:
             if block_id == root:
                 self._evict(block_id)
             elif state[block_id] == CACHED:
+                # Never the chosen victim: _evict_one takes that one first (as a root), and an
+                # orphan's descendants are never cached.
                 self.policy.discard(self._hashes[block_id])
                 self._evict(block_id)
             else:
@@ -421,7 +449,10 @@ class BlockPool:
             if count_access:
                 policy.accessed(hashes[block_id])
             if state[block_id] == CACHED:
-                policy.removed(hashes[block_id])
+                if block_id == self._next_victim:  # a hit cancels the choice; the policy has
+                    self._next_victim = NO_BLOCK  # let it go already: nothing to remove
+                else:
+                    policy.removed(hashes[block_id])
                 state[block_id] = SEALED
                 self._num_sealed += 1
             refs[block_id] += 1
@@ -589,7 +620,8 @@ class BlockPool:
         counts = [0, 0, 0, 0]
         for state in self._state:
             counts[state] += 1
-        expected = [len(self._free), self._num_owned, self._num_sealed, len(self.policy)]
+        expected = [len(self._free), self._num_owned, self._num_sealed,
+                    len(self.policy) + (self._next_victim != NO_BLOCK)]
         if counts != expected:
             raise InternalError(f"state counts {counts} != bookkeeping {expected} "
                                 "(free, owned, sealed, cached)")
@@ -649,9 +681,11 @@ class BlockPool:
             raise InternalError(f"{where}: an owned block must have exactly its owner's ref")
         if state == SEALED and (refs < 1 or key is None):
             raise InternalError(f"{where}: a sealed block must be pinned and hashed")
+        is_tracked = key in self.policy
         if state == CACHED and (refs or key is None or self._index.get(key) != block_id
-                                or key not in self.policy):
-            raise InternalError(f"{where}: a cached block must be unpinned, indexed and evictable")
+                                or is_tracked == (block_id == self._next_victim)):
+            raise InternalError(f"{where}: a cached block must be unpinned, indexed and evictable "
+                                "(tracked by the policy unless it is the chosen next victim)")
 
     def stats(self) -> dict[str, int]:
         """Block counts by state plus cumulative counters."""

@@ -525,3 +525,45 @@ def test_check_invariants_catches_a_non_free_block_on_the_free_list():
     pool._free[0] = owned  # counts still match; a free block is missing from the list instead
     with pytest.raises(InternalError, match="free list"):
         pool.check_invariants()
+
+
+# ---- the victim chosen ahead of need (the daemon's idle step) --------------------------------
+def test_choosing_the_next_victim_evicts_nothing_and_the_next_allocation_takes_it():
+    pool = make_pool(3, "lru")
+    pool.choose_next_victim()  # not full: nothing to choose
+    ids = cached_chain(pool, [b"a", b"b", b"c"])  # released tail first: c is the LRU block
+    before = snapshot(pool)
+    pool.choose_next_victim()
+    pool.choose_next_victim()  # idempotent
+    assert snapshot(pool) == before  # every block still cached and indexed, no counter moved
+    assert pool.num_cached == 3 and len(pool.policy) == 2
+    (new_id,) = pool.allocate(1, A)
+    assert new_id == ids[2] and pool.find(b"c") is None and pool.counters["evictions"] == 1
+
+
+def test_a_hit_on_the_chosen_victim_cancels_the_choice(policy):
+    pool = make_pool(2, policy)
+    cached_chain(pool, [b"a"])
+    cached_chain(pool, [b"b"])
+    pool.choose_next_victim()
+    chosen = next(key for key in (b"a", b"b") if key not in pool.policy)
+    (hit,) = pool.lookup([chosen], B)  # still found: nothing was evicted early
+    assert pool.state(hit) == "sealed" and pool.num_cached == 1 == len(pool.policy)
+    (new_id,) = pool.allocate(1, A)  # the other block goes; the hit one is pinned
+    assert pool.find(chosen) == hit and new_id != hit
+    pool.release([hit], B)  # back to the policy like any released block
+    assert chosen in pool.policy and pool.state(hit) == "cached"
+
+
+def test_the_chosen_victim_takes_its_cached_children_along():
+    pool = make_pool(3, "lru")
+    ids = pool.allocate(2, A)
+    pool.seal(ids, [b"p", b"c"], A, parents=[None, b"p"])
+    pool.release([ids[0]], A)  # the head first: it is the least recently used block
+    pool.release([ids[1]], A)
+    cached_chain(pool, [b"x"])
+    pool.choose_next_victim()
+    assert b"p" not in pool.policy and b"c" in pool.policy
+    new_ids = pool.allocate(2, A)  # the chosen head goes, and its child with it
+    assert sorted(new_ids) == sorted(ids) and pool.find(b"x") is not None
+    assert pool.counters["evictions"] == 2

@@ -352,18 +352,17 @@ class BlockPool:
         Raises (changing nothing): BadArgsError, NotFoundError (not held), InUseError (not OWNED).
         """
         self._check_seal_hints(len(block_ids), keys, parents, tiers)
-        held = self._held.get(owner, {})
-        for block_id in block_ids:
+        held, state = self._held.get(owner, {}), self._state
+        for block_id, key in zip(block_ids, keys):  # validate everything before changing anything
             self._checked_id(block_id)
             if block_id not in held:
                 raise NotFoundError(f"block {block_id} is not held by this session")
-            if self._state[block_id] != OWNED:
+            if state[block_id] != OWNED:
                 raise InUseError(f"block {block_id} is {self.state(block_id)}, only owned blocks "
                                  "can be sealed (sealed blocks are immutable)")
-        if len(set(block_ids)) != len(block_ids):
-            raise BadArgsError("seal names the same block twice")
-        for key in keys:
             _check_key(key)
+        if len(block_ids) > 1 and len(set(block_ids)) != len(block_ids):
+            raise BadArgsError("seal names the same block twice")
         indexed = []
         for position, (block_id, key) in enumerate(zip(block_ids, keys)):
             self._state[block_id] = SEALED

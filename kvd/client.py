@@ -284,9 +284,25 @@ class Client:
         """`num_blocks` writable blocks owned by this session. Raises NoSpaceError."""
         return self._call("alloc", {"num_blocks": num_blocks})
 
-    def seal(self, block_ids: SequenceOf[int], hashes: SequenceOf[bytes]) -> list[bool]:
-        """Publish filled blocks under content hashes; returns which ones entered the index."""
-        return self._call("seal", {"block_ids": _ids(block_ids), "hashes": list(hashes)})
+    def seal(self, block_ids: SequenceOf[int], hashes: SequenceOf[bytes],
+             parents: SequenceOf[bytes | None] | None = None,
+             tiers: SequenceOf[int] | None = None) -> list[bool]:
+        """Publish filled blocks under content hashes; returns which ones entered the index.
+
+        Args:
+            parents: per block, the hash of the block before it in its chain (None for a
+                chain's head; earlier blocks of the same call may be parents). The daemon then
+                never evicts a parent before its cached children, so no chain is left with a
+                stranded middle. For blocks hashed with `kvd.hash_blocks(tokens, size, parent)`
+                that is `[parent, *hashes[:-1]]`. Sequences do this themselves.
+            tiers: per block, 0 (written by prefill) or 1 (by decode), for a `--tiers` daemon.
+        """
+        args: dict[str, Any] = {"block_ids": _ids(block_ids), "hashes": list(hashes)}
+        if parents is not None:
+            args["parents"] = list(parents)
+        if tiers is not None:
+            args["tiers"] = [int(tier) for tier in tiers]
+        return self._call("seal", args)
 
     def lookup(self, hashes: SequenceOf[bytes]) -> list[int]:
         """Block ids of the longest cached prefix of `hashes`, pinned for this session."""

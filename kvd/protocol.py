@@ -305,9 +305,11 @@ def arg_int(args: dict[str, Any], name: str, min_value: int = 0, max_value: int 
 
 
 def arg_int_list(args: dict[str, Any], name: str, max_len: int,
-                 max_value: int | None = None) -> list[int]:
-    """A list of at most `max_len` ints (not bools) in [0, max_value]."""
-    value = args[name] if name in args else _default(name, _REQUIRED)
+                 max_value: int | None = None, default: Any = _REQUIRED) -> list[int]:
+    """A list of at most `max_len` ints (not bools) in [0, max_value]; `default` if absent."""
+    if name not in args:
+        return _default(name, default)
+    value = args[name]
     if type(value) is not list or len(value) > max_len:
         raise BadArgsError(f"{name} must be a list of at most {max_len} ints, got "
                            f"{_describe(value)}")
@@ -331,14 +333,19 @@ def arg_bytes(args: dict[str, Any], name: str, max_nbytes: int, default: Any = _
     return value
 
 
-def arg_bytes_list(args: dict[str, Any], name: str, max_len: int,
-                   max_item_nbytes: int) -> list[bytes]:
-    """A list of at most `max_len` binary strings of 1 to `max_item_nbytes` bytes each."""
-    value = args[name] if name in args else _default(name, _REQUIRED)
+def arg_bytes_list(args: dict[str, Any], name: str, max_len: int, max_item_nbytes: int,
+                   default: Any = _REQUIRED, allow_nil: bool = False) -> list[bytes | None]:
+    """A list of at most `max_len` binary strings of 1 to `max_item_nbytes` bytes each (or nil
+    items, if `allow_nil`); `default` if absent (required otherwise)."""
+    if name not in args:
+        return _default(name, default)
+    value = args[name]
     if type(value) is not list or len(value) > max_len:
         raise BadArgsError(f"{name} must be a list of at most {max_len} binary strings, got "
                            f"{_describe(value)}")
     for item in value:  # one plain loop, as in arg_int_list
+        if item is None and allow_nil:
+            continue
         if type(item) is not bytes:
             raise BadArgsError(f"{name} must hold only binary strings (msgpack bin, Python "
                                "bytes)")

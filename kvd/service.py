@@ -158,8 +158,15 @@ class Service:
 
     def _seal(self, session: Session, args: dict[str, Any]) -> list[bool]:
         self._check_writable()
-        check_no_extra(args, ("block_ids", "hashes"))
-        return self.pool.seal(self._block_ids(args), self._hashes(args), session.session_id)
+        check_no_extra(args, ("block_ids", "hashes", "parents", "tiers"))
+        # Optional, one per block: the hash of the block before it in its chain (nil for a
+        # chain's head), which links it into the pool's prefix tree so that eviction never
+        # strands a chain's middle; and the tier (0 prefill, 1 decode) for --tiers.
+        parents = arg_bytes_list(args, "parents", MAX_BATCH, MAX_KEY_NBYTES, default=None,
+                                 allow_nil=True)
+        tiers = arg_int_list(args, "tiers", MAX_BATCH, len(TIER_NAMES) - 1, default=None)
+        return self.pool.seal(self._block_ids(args), self._hashes(args), session.session_id,
+                              parents, tiers)
 
     def _lookup(self, session: Session, args: dict[str, Any]) -> list[int]:
         check_no_extra(args, ("hashes",))

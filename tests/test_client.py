@@ -215,3 +215,21 @@ def test_a_missing_or_stopped_daemon_is_a_disconnected_error(kvd_daemon):
         assert kvd_daemon.proc.wait(20) == 0
         with pytest.raises(kvd.DisconnectedError, match="no daemon came back"):
             client.stats()
+
+
+def test_raw_seals_with_parents_and_tiers_reach_the_prefix_tree(daemon_factory):
+    daemon = daemon_factory(extra_args=["--tiers", "prefill=0.5,decode=0.5"], num_blocks=4)
+    hashes = kvd.hash_blocks(np.arange(3 * 16), 16)
+    with daemon.connect() as client:
+        block_ids = client.alloc(3)
+        assert client.seal(block_ids, hashes, parents=[None, *hashes[:2]],
+                           tiers=np.array([0, 0, 1])) == [True] * 3
+        client.release(block_ids[:1])  # the head becomes evictable first...
+        client.release(block_ids[1:])
+        stats = client.stats()
+        assert stats["tier_blocks"] == {"prefill": 2, "decode": 1}
+        client.release(client.alloc(4))  # ...a full pool's eviction takes the chain along
+        assert client.lookup(hashes) == []
+        assert client.stats()["evictions"] == 3
+        with pytest.raises(kvd.BadArgsError, match="parents"):
+            client.seal(client.alloc(1), hashes[:1], parents=[b""])

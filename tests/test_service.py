@@ -109,6 +109,11 @@ def test_alloc_seal_lookup_release_across_two_sessions(h):
     ("seal", {"block_ids": [99], "hashes": [b"h"]}, BadArgsError),
     ("seal", {"block_ids": [15], "hashes": [b"h"]}, NotFoundError),  # not this session's
     ("seal", {"block_ids": [0, 1], "hashes": [b"h"]}, BadArgsError),
+    ("seal", {"block_ids": [1], "hashes": [b"h"], "parents": [b"p", None]}, BadArgsError),
+    ("seal", {"block_ids": [1], "hashes": [b"h"], "parents": [b""]}, BadArgsError),
+    ("seal", {"block_ids": [1], "hashes": [b"h"], "parents": b"p"}, BadArgsError),
+    ("seal", {"block_ids": [1], "hashes": [b"h"], "tiers": [2]}, BadArgsError),
+    ("seal", {"block_ids": [1], "hashes": [b"h"], "tiers": [0, 1]}, BadArgsError),
     ("lookup", {"hashes": b"not a list"}, BadArgsError),
     ("release", {"block_ids": [15]}, NotFoundError),
     ("release", {"block_ids": [-1]}, BadArgsError),
@@ -213,3 +218,16 @@ def test_stats_reports_the_documented_keys(h):
                 "sequences", "policy", "uptime_s", "geometry", "requests", "errors"):
         assert key in stats
     assert stats["policy"] == "lru"
+
+
+def test_seal_with_parents_links_the_chain_so_eviction_never_strands_a_middle(h):
+    a = h.session()
+    block_ids = h.service.handle(a, "alloc", {"num_blocks": 3})
+    sealed = h.service.handle(a, "seal", {"block_ids": block_ids, "hashes": HASHES[:3],
+                                          "parents": [None, *HASHES[:2]], "tiers": [0, 0, 1]})
+    assert sealed == [True] * 3
+    h.service.handle(a, "release", {"block_ids": block_ids[:1]})  # the head is evicted first...
+    h.service.handle(a, "release", {"block_ids": block_ids[1:]})
+    h.service.handle(a, "alloc", {"num_blocks": 14})  # ...13 free blocks: one eviction
+    assert [h.pool.find(key) for key in HASHES[:3]] == [None] * 3  # ...taking its chain along
+    assert h.service.stats()["evictions"] == 3

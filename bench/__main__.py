@@ -34,8 +34,8 @@ import numpy as np
 from bench.common import ROOT, child_env, progress
 
 # In the order they run: the control plane first, while the machine is quietest.
-BENCHES = ("control_plane", "scaling", "data_plane", "e2e", "policies", "hit_ratio", "pool",
-           "hashing", "recovery", "transformers_e2e")
+BENCHES = ("control_plane", "request_path", "scaling", "data_plane", "e2e", "policies",
+           "hit_ratio", "pool", "hashing", "recovery", "transformers_e2e")
 
 
 def run_one(name: str, quick: bool, out: Path) -> str:

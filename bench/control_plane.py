@@ -89,10 +89,10 @@ def _echo(sock: socket.socket, buffers: dict[socket.socket, bytearray],
         sock.close()
         return
     buffers[sock] += data
-    sock.sendall(_echo_replies(buffers[sock]))
+    sock.sendall(echo_replies(buffers[sock]))
 
 
-def _echo_replies(buffer: bytearray) -> bytes:
+def echo_replies(buffer: bytearray) -> bytes:
     """Answer every complete frame in `buffer` with `[id, True, None]`; consume those frames."""
     replies, offset = [], 0
     while len(buffer) - offset >= 4:
@@ -117,7 +117,7 @@ class _EchoProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        self.transport.write(_echo_replies(self.buffer))
+        self.transport.write(echo_replies(self.buffer))
 
 
 def serve_echo_asyncio(socket_path: str) -> None:

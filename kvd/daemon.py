@@ -309,26 +309,32 @@ class Daemon:
     # measures the request path against an echo server; each layer is ~0.1-0.2 µs of a ~20 µs
     # round trip, and more after a wake-up with cold caches).
     def serve_forever(self) -> None:
-        select = self._selector.select
-        choose_next_victim = self.service.pool.choose_next_victim
         try:
             while not self._is_stopping:
-                for key, mask in select(timeout=1.0):
-                    handler, connection = key.data
-                    try:
-                        handler(connection, mask)
-                    except Exception:  # a kvd bug: drop the one connection involved, keep serving
-                        log.exception("internal error in %s", handler.__name__)
-                        if connection is not None:
-                            self._close(connection, "internal error")
-                self._commit_and_reply()
-                # The replies are out: while the clients think, ask the policy for the next
-                # victim of a full pool, a third of the next allocation's eviction (kvd/pool.py).
-                choose_next_victim()
+                self.serve_once(1.0)
         finally:
             log.info("stopped: %s", "kept segment for restart" if self.keep_on_stop
                      else "segment and socket removed")
             self._cleanup()
+
+    def serve_once(self, timeout_s: float | None) -> None:
+        """One loop iteration: wait up to `timeout_s` for events, handle them, commit, reply.
+
+        serve_forever calls it; bench/request_path.py calls it inline to measure the request
+        path without a scheduler in between.
+        """
+        for key, mask in self._selector.select(timeout_s):
+            handler, connection = key.data
+            try:
+                handler(connection, mask)
+            except Exception:  # a kvd bug: drop the one connection involved, keep serving
+                log.exception("internal error in %s", handler.__name__)
+                if connection is not None:
+                    self._close(connection, "internal error")
+        self._commit_and_reply()
+        # The replies are out: while the clients think, ask the policy for the next victim of
+        # a full pool, a third of the next allocation's eviction (kvd/pool.py).
+        self.service.pool.choose_next_victim()
 
     def _on_listener(self, _: None, mask: int) -> None:
         self._accept()

@@ -305,11 +305,9 @@ def arg_int(args: dict[str, Any], name: str, min_value: int = 0, max_value: int 
 
 
 def arg_int_list(args: dict[str, Any], name: str, max_len: int,
-                 max_value: int | None = None, default: Any = _REQUIRED) -> list[int]:
-    """A list of at most `max_len` ints (not bools) in [0, max_value]; `default` if absent."""
-    if name not in args:
-        return _default(name, default)
-    value = args[name]
+                 max_value: int | None = None) -> list[int]:
+    """A list of at most `max_len` ints (not bools) in [0, max_value]."""
+    value = args[name] if name in args else _default(name, _REQUIRED)
     if type(value) is not list or len(value) > max_len:
         raise BadArgsError(f"{name} must be a list of at most {max_len} ints, got "
                            f"{_describe(value)}")
@@ -334,12 +332,10 @@ def arg_bytes(args: dict[str, Any], name: str, max_nbytes: int, default: Any = _
 
 
 def arg_bytes_list(args: dict[str, Any], name: str, max_len: int, max_item_nbytes: int,
-                   default: Any = _REQUIRED, allow_nil: bool = False) -> list[bytes | None]:
+                   allow_nil: bool = False) -> list[bytes | None]:
     """A list of at most `max_len` binary strings of 1 to `max_item_nbytes` bytes each (or nil
-    items, if `allow_nil`); `default` if absent (required otherwise)."""
-    if name not in args:
-        return _default(name, default)
-    value = args[name]
+    items, if `allow_nil`)."""
+    value = args[name] if name in args else _default(name, _REQUIRED)
     if type(value) is not list or len(value) > max_len:
         raise BadArgsError(f"{name} must be a list of at most {max_len} binary strings, got "
                            f"{_describe(value)}")

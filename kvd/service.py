@@ -162,9 +162,11 @@ class Service:
         # Optional, one per block: the hash of the block before it in its chain (nil for a
         # chain's head), which links it into the pool's prefix tree so that eviction never
         # strands a chain's middle; and the tier (0 prefill, 1 decode) for --tiers.
-        parents = arg_bytes_list(args, "parents", MAX_BATCH, MAX_KEY_NBYTES, default=None,
-                                 allow_nil=True)
-        tiers = arg_int_list(args, "tiers", MAX_BATCH, len(TIER_NAMES) - 1, default=None)
+        parents = tiers = None
+        if "parents" in args:  # (tested here: a seal without them skips two validator calls)
+            parents = arg_bytes_list(args, "parents", MAX_BATCH, MAX_KEY_NBYTES, allow_nil=True)
+        if "tiers" in args:
+            tiers = arg_int_list(args, "tiers", MAX_BATCH, len(TIER_NAMES) - 1)
         return self.pool.seal(self._block_ids(args), self._hashes(args), session.session_id,
                               parents, tiers)
 

@@ -1,0 +1,220 @@
+"""Request path: what one batch-1 request costs kvd beyond the echo floor, in one process.
+
+Cross-process round trips on a small VM swing with where the scheduler puts the two processes
+(one vCPU or two, a halted vCPU to wake) and with how cold each one's caches are after the
+switch; bench/control_plane.py reports those as measured. This bench takes the scheduler out:
+one process drives both ends of a real Unix socket and runs the daemon's loop iteration inline
+(`Daemon.serve_once`), so a request's cost is path length only — the kernel's socket work plus
+the Python on both sides — and repeats to a fraction of a microsecond. The echo floor is the
+same selectors echo server as in bench/control_plane.py, driven the same way over a socketpair.
+
+It reports, per op of the control plane's round (alloc, seal, release, lookup, release):
+  * the in-process round trip, kvd (client encode → send → serve_once → recv → decode) next to
+    the echo floor with the same request body, medians of interleaved chunks;
+  * the stages of kvd's handling of that request (decode: unpack + parse, handle: the Service's
+    validation and the pool, encode), each timed alone on the same requests.
+
+    python -m bench.request_path [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import selectors
+import socket
+import struct
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from bench.common import ROOT, TINY_GEOMETRY, markdown_table, progress, write_json
+from bench.control_plane import NUM_BLOCKS, OPS, digests, echo_replies
+from kvd.daemon import Daemon
+from kvd.geometry import Geometry
+from kvd.protocol import (
+    PROTOCOL_VERSION, FrameDecoder, FrameEncoder, parse_reply, parse_request, unpack_body,
+)
+from kvd.runtime import DaemonPaths
+
+ROUND = ("alloc", "seal", "release", "lookup", "release")  # the control plane's round
+CHUNK = 100  # rounds per turn when kvd and the floor alternate
+
+
+class InlineDaemon:
+    """A real Daemon in this process (no journal), served one loop iteration per request."""
+
+    def __init__(self, directory: str) -> None:
+        name = f"bench-path-{uuid.uuid4().hex[:8]}"
+        paths = DaemonPaths(name=name, socket_path=os.path.join(directory, "kvd.sock"),
+                            lock_path=os.path.join(directory, "kvd.lock"),
+                            pid_path=os.path.join(directory, "kvd.pid"),
+                            segment_name=f"/kvd-{os.getuid()}-{name}")
+        geometry = Geometry(num_blocks=NUM_BLOCKS, num_layers=TINY_GEOMETRY["layers"],
+                            block_size=TINY_GEOMETRY["block_size"],
+                            num_kv_heads=TINY_GEOMETRY["kv_heads"],
+                            head_dim=TINY_GEOMETRY["head_dim"], dtype=TINY_GEOMETRY["dtype"])
+        self.daemon = Daemon(paths, geometry, state_dir=directory, journal=False)
+        self.daemon.start()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(paths.socket_path)
+        self.daemon.serve_once(1.0)  # accept
+        self._encoder, self._decoder, self._next_id = FrameEncoder(), FrameDecoder(), 1
+        self.call("hello", {"version": PROTOCOL_VERSION, "pid": os.getpid()})
+
+    def call(self, op: str, args: dict[str, Any]) -> Any:
+        self._next_id += 1
+        self.sock.sendall(self._encoder.request(self._next_id, op, args))
+        self.daemon.serve_once(1.0)
+        while True:
+            bodies = self._decoder.feed(self.sock.recv(65536))
+            if bodies:
+                return parse_reply(unpack_body(bodies[0]))[1]
+
+    def close(self) -> None:
+        self.sock.close()
+        self.daemon.stop()
+        self.daemon.serve_forever()  # stopping already: it only cleans up (segment, socket)
+
+
+class InlineEcho:
+    """The echo floor's frame answering over a socketpair, served inline the same way."""
+
+    def __init__(self) -> None:
+        self.sock, self._server = socket.socketpair()
+        self._server.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._server, selectors.EVENT_READ)
+        self._buffer = bytearray()
+        self._length = struct.Struct(">I")
+        self._next_id = 1
+
+    def call(self, op: str, args: dict[str, Any]) -> Any:
+        self._next_id += 1
+        body = msgpack.packb([self._next_id, op, args])
+        self.sock.sendall(self._length.pack(len(body)) + body)
+        for _ in self._selector.select(1.0):
+            self._buffer += self._server.recv(65536)
+            self._server.sendall(echo_replies(self._buffer))
+        data = self.sock.recv(65536)
+        return msgpack.unpackb(data[4:])[2]
+
+    def close(self) -> None:
+        self._selector.close()
+        self._server.close()
+        self.sock.close()
+
+
+def round_args(hashes: list[bytes], block_ids: list[int]) -> list[tuple[str, dict[str, Any]]]:
+    return [("alloc", {"num_blocks": 1}), ("seal", {"block_ids": block_ids, "hashes": hashes}),
+            ("release", {"block_ids": block_ids}), ("lookup", {"hashes": hashes}),
+            ("release", {"block_ids": block_ids})]
+
+
+def timed_round(server: Any, hashes: list[bytes], samples: dict[str, list[int]]) -> None:
+    clock = time.perf_counter_ns
+    block_ids: list[int] = [0]
+    for op, args in round_args(hashes, block_ids):
+        start = clock()
+        result = server.call(op, args)
+        samples[op].append(clock() - start)
+        if op == "alloc":
+            block_ids[:] = result if type(result) is list else [0]  # the echo answers None
+
+
+def stage_times(inline: InlineDaemon, hashes: list[bytes], samples: dict[str, list[int]]) -> None:
+    """Decode, handle and encode of one round's requests, each timed alone (a profile)."""
+    clock, service, encoder = time.perf_counter_ns, inline.daemon.service, FrameEncoder()
+    session = next(iter(service.sessions.values()))
+    block_ids: list[int] = []
+    for op, args in round_args(hashes, block_ids):
+        body = encoder.request(1, op, args)[4:]
+        start = clock()
+        request_id, op_name, request_args = parse_request(unpack_body(body))
+        decoded = clock()
+        result = service.handle(session, op_name, request_args)
+        handled = clock()
+        encoder.result(request_id, result)
+        encoded = clock()
+        if op == "alloc":
+            block_ids[:] = result
+        for stage, nanoseconds in (("decode", decoded - start), ("handle", handled - decoded),
+                                   ("encode", encoded - handled)):
+            samples[f"{op}:{stage}"].append(nanoseconds)
+
+
+def median_us(samples: list[int]) -> float:
+    return sorted(samples)[len(samples) // 2] / 1e3
+
+
+def run(quick: bool) -> dict[str, Any]:
+    num_chunks = 2 if quick else 30
+    kvd_samples: dict[str, list[int]] = {op: [] for op in OPS}
+    echo_samples: dict[str, list[int]] = {op: [] for op in OPS}
+    stage_samples: dict[str, list[int]] = {f"{op}:{stage}": [] for op in OPS
+                                           for stage in ("decode", "handle", "encode")}
+    key = 0
+    with tempfile.TemporaryDirectory(prefix="kvd-path-") as directory:
+        inline, echo = InlineDaemon(directory), InlineEcho()
+        try:
+            for chunk in range(num_chunks + 1):  # the first chunk warms up and is dropped
+                progress(f"request path: chunk {chunk + 1} of {num_chunks + 1}")
+                keep = chunk > 0
+                for server, samples in ((inline, kvd_samples), (echo, echo_samples)):
+                    for _ in range(CHUNK):
+                        key += 1
+                        timed_round(server, digests(key, 1),
+                                    samples if keep else {op: [] for op in OPS})
+                for _ in range(CHUNK):
+                    key += 1
+                    stage_times(inline, digests(key, 1),
+                                stage_samples if keep else {k: [] for k in stage_samples})
+        finally:
+            echo.close()
+            inline.close()
+    rows = {}
+    for op in OPS:
+        mine, floor = median_us(kvd_samples[op]), median_us(echo_samples[op])
+        rows[op] = {"kvd_us": mine, "echo_us": floor, "ratio": mine / floor,
+                    **{stage: median_us(stage_samples[f"{op}:{stage}"])
+                       for stage in ("decode", "handle", "encode")}}
+    return {"num_blocks": NUM_BLOCKS, "rounds": num_chunks * CHUNK, "ops": rows}
+
+
+def markdown(results: dict[str, Any]) -> str:
+    rows = [[op, f"{row['kvd_us']:.2f}", f"{row['echo_us']:.2f}", f"{row['ratio']:.2f}x",
+             f"{row['kvd_us'] - row['echo_us']:.2f}", f"{row['decode']:.2f}",
+             f"{row['handle']:.2f}", f"{row['encode']:.2f}"]
+            for op, row in results["ops"].items()]
+    table = markdown_table(["op", "kvd µs", "echo µs", "kvd / floor", "kvd - floor µs",
+                            "decode µs", "handle µs", "encode µs"], rows)
+    return ("## Request path in one process, no scheduler (bench/request_path.py)\n\n"
+            f"One process drives both ends of a real Unix socket and runs the daemon's loop "
+            f"iteration inline, so these are path lengths (kernel socket work + Python on both "
+            f"sides), steady to a fraction of a µs; batch 1, {results['rounds']:,} rounds, "
+            f"medians. The stages are kvd's decode (unpack + parse), handle (validation + "
+            f"pool) and encode of the same requests, each timed alone.\n\n" + table + "\n")
+
+
+def run_bench(quick: bool, out: Path) -> str:
+    results = run(quick)
+    write_json(out, "request_path", results)
+    return markdown(results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run (few rounds)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args(argv)
+    print(run_bench(args.quick, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

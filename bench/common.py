@@ -10,6 +10,7 @@ results under the output directory with small PNGs (dpi 100).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -169,3 +170,14 @@ def save_plot(figure: Any, out: Path, name: str) -> Path:
     figure.savefig(path, dpi=PLOT_DPI)
     pyplot().close(figure)
     return path
+
+
+def bench_main(doc: str, run_bench: Callable[[bool, Path], str],
+               argv: list[str] | None = None) -> int:
+    """`python -m bench.<name> [--quick] [--out DIR]`: run one bench, print its section."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run (tiny sizes)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args(argv)
+    print(run_bench(args.quick, args.out))
+    return 0

@@ -19,7 +19,6 @@ It reports, per op of the control plane's round (alloc, seal, release, lookup, r
 
 from __future__ import annotations
 
-import argparse
 import os
 import selectors
 import socket
@@ -33,7 +32,7 @@ from typing import Any
 
 import msgpack
 
-from bench.common import ROOT, TINY_GEOMETRY, markdown_table, progress, write_json
+from bench.common import TINY_GEOMETRY, bench_main, markdown_table, progress, write_json
 from bench.control_plane import NUM_BLOCKS, OPS, digests, echo_replies
 from kvd.daemon import Daemon
 from kvd.geometry import Geometry
@@ -207,14 +206,5 @@ def run_bench(quick: bool, out: Path) -> str:
     return markdown(results)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run (few rounds)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    args = parser.parse_args(argv)
-    print(run_bench(args.quick, args.out))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench_main(__doc__, run_bench))

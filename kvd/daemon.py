@@ -465,18 +465,22 @@ class Daemon:
     def _send(self, connection: Connection, data: bytes) -> None:
         """Send `data` after any output still queued; queue what the socket does not take."""
         if not connection.output:  # the common case: straight to the socket, no buffer copies
-            try:
-                sent = connection.sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as exc:
-                self._close(connection, f"send failed: {exc}")
-                return
-            if sent == len(data):
+            sent = self._send_now(connection, data)
+            if sent is None or sent == len(data):
                 return
             data = data[sent:]
         connection.output += data
         self._flush(connection)
+
+    def _send_now(self, connection: Connection, data: bytes | bytearray) -> int | None:
+        """What the socket takes of `data` now, in bytes; None if sending failed (closed)."""
+        try:
+            return connection.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:
+            self._close(connection, f"send failed: {exc}")
+            return None
 
     def _commit_journal(self) -> JournalError | None:
         """Commit (or, after a failure, try a full rewrite); returns the error if it failed."""
@@ -506,12 +510,8 @@ class Daemon:
     def _flush(self, connection: Connection) -> None:
         output = connection.output
         if output:
-            try:
-                sent = connection.sock.send(output)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as exc:
-                self._close(connection, f"send failed: {exc}")
+            sent = self._send_now(connection, output)
+            if sent is None:
                 return
             del output[:sent]
         if len(output) > MAX_OUTPUT_NBYTES:

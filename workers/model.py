@@ -17,11 +17,17 @@ stores. Two stores implement that protocol:
 
 * `ContiguousKV` — one growing array per layer: the reference (test oracle).
 * `PagedKV` — a block table over a pool array of shape
-  `(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)`, the kvd layout. A write
-  scatters T tokens with one fancy-index assignment; a read gathers a layer's blocks with one
-  fancy index (`pool[block_ids, layer]`) and flattens them to `(num_blocks * block_size, H, D)`.
-  Positions below `num_frozen_tokens` belong to cached (sealed, shared, read-only) blocks: writes
-  there are dropped, because the bytes are already the K/V this model would compute.
+  `(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)`, the kvd layout. K and V
+  move in contiguous runs: a block's B tokens of one layer's K (or V) are one `(B, H, D)` run in
+  the pool. A write of T tokens is at most three assignments per part — a partial first block,
+  every full block in one fancy-index assignment, a partial last block; a read is one `np.take`
+  of whole runs per part into a buffer the PagedKV keeps, already in token order. With the
+  geometry of bench/data_plane.py, the per-token scatter this replaced (T runs of H*D values)
+  wrote 1.6x slower, and gathering K and V together into a fresh array, then untangling them
+  with a transposing copy, read float32 several times slower (mostly faulting in the fresh
+  pages). Positions below `num_frozen_tokens` belong to cached (sealed, shared, read-only)
+  blocks: writes there are dropped, because the bytes are already the K/V this model would
+  compute.
 
 One `forward` serves prefill (T tokens, a batched matmul with a causal mask offset by
 `start_pos`) and decode (T = 1, no mask needed). Compute is float32 whatever the storage dtype;
@@ -30,6 +36,7 @@ float16 and bfloat16 stores round on write (bfloat16 is stored as uint16 words, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -80,7 +87,10 @@ class KVStore(Protocol):
         """Store K/V (T, num_kv_heads, head_dim) for positions [start_pos, start_pos + T)."""
 
     def read(self, layer: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """K and V of positions [0, num_tokens) as float32 (num_tokens, num_kv_heads, head_dim)."""
+        """K and V of positions [0, num_tokens) as float32 (num_tokens, num_kv_heads, head_dim).
+
+        They may be views of the store's own memory: use them before the next `write` or `read`.
+        """
 
 
 def to_storage(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -127,13 +137,17 @@ class PagedKV:
     """
 
     def __init__(self, pool: np.ndarray, block_ids: list[int], num_frozen_tokens: int = 0):
-        if pool.ndim != 6 or pool.shape[2] != 2:
-            raise BadArgsError(f"pool must have shape (num_blocks, num_layers, 2, block_size, "
-                               f"num_kv_heads, head_dim), got {pool.shape}")
+        if pool.ndim != 6 or pool.shape[2] != 2 or not pool.flags.c_contiguous:
+            raise BadArgsError(f"pool must be a C-contiguous array of shape (num_blocks, "
+                               f"num_layers, 2, block_size, num_kv_heads, head_dim), got "
+                               f"{pool.shape}")
         self.pool = pool
         self.block_ids = block_ids
         self.block_size = pool.shape[3]
         self.num_frozen_tokens = num_frozen_tokens
+        # The pool as rows of one block's K or V of one layer: row (block * L + layer) * 2 + part.
+        self._runs = pool.reshape(-1, math.prod(pool.shape[3:]))
+        self._gathered = np.empty((2, 0, self._runs.shape[1]), dtype=pool.dtype)
 
     def check_config(self, config: ModelConfig) -> None:
         """Raise BadArgsError unless the pool's block shape fits `config`."""
@@ -146,21 +160,59 @@ class PagedKV:
 
     def write(self, layer: int, start_pos: int, keys: np.ndarray, values: np.ndarray) -> None:
         skip = max(0, self.num_frozen_tokens - start_pos)
-        positions = np.arange(start_pos + skip, start_pos + len(keys))
-        if positions.size == 0:
+        start, end = start_pos + skip, start_pos + len(keys)
+        if start >= end:
             return
-        table = np.asarray(self.block_ids[:positions[-1] // self.block_size + 1])
-        rows = table[positions // self.block_size]
-        offsets = positions % self.block_size
-        self.pool[rows, layer, K, offsets] = to_storage(keys[skip:], self.pool.dtype)
-        self.pool[rows, layer, V, offsets] = to_storage(values[skip:], self.pool.dtype)
+        block_size = self.block_size
+        head_end = min(end, -(-start // block_size) * block_size)  # partial first block
+        tail_start = max(head_end, end // block_size * block_size)  # partial last block
+        table = self.block_ids
+        for part, data in ((K, keys[skip:]), (V, values[skip:])):
+            data = to_storage(data, self.pool.dtype)
+            if head_end > start:
+                offset = start % block_size
+                self.pool[table[start // block_size], layer, part,
+                          offset:offset + head_end - start] = data[:head_end - start]
+            if tail_start > head_end:
+                rows = np.asarray(table[head_end // block_size:tail_start // block_size])
+                self.pool[rows, layer, part] = data[head_end - start:tail_start - start].reshape(
+                    len(rows), block_size, *data.shape[1:])
+            if end > tail_start:
+                self.pool[table[tail_start // block_size], layer, part,
+                          :end - tail_start] = data[tail_start - start:]
+
+    def gather(self, layer: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of positions [0, num_tokens) in the pool's dtype, (num_tokens, H, D) each.
+
+        Both are views of a buffer this PagedKV reuses: they hold until its next `gather` or
+        `read`. A fresh output per call had glibc map and fault in new pages every time, which
+        cost several times the copy itself (bench/data_plane.py).
+        """
+        num_blocks = -(-num_tokens // self.block_size)
+        rows = self._checked_rows(layer, np.asarray(self.block_ids[:num_blocks], dtype=np.intp))
+        if self._gathered.shape[1] < num_blocks:  # grow geometrically: decode adds a token a step
+            self._gathered = np.empty((2, max(num_blocks, 2 * self._gathered.shape[1]),
+                                       self._runs.shape[1]), dtype=self.pool.dtype)
+        for part in (K, V):
+            # mode="clip" copies straight into `out` ("raise" stages through a temporary);
+            # _checked_rows has done the bounds check.
+            np.take(self._runs, rows + part, axis=0, out=self._gathered[part, :num_blocks],
+                    mode="clip")
+        tokens = self._gathered[:, :num_blocks].reshape(2, -1, *self.pool.shape[4:])
+        return tokens[K, :num_tokens], tokens[V, :num_tokens]
+
+    def _checked_rows(self, layer: int, block_ids: np.ndarray) -> np.ndarray:
+        """Rows of `self._runs` holding the K of `block_ids` at `layer` (V is the next row)."""
+        num_blocks, num_layers = self.pool.shape[:2]
+        if not 0 <= layer < num_layers or (
+                block_ids.size and not 0 <= block_ids.min() <= block_ids.max() < num_blocks):
+            raise BadArgsError(f"layer {layer} or a block id in the table is outside the pool "
+                               f"({num_layers} layers, {num_blocks} blocks)")
+        return (block_ids * num_layers + layer) * 2
 
     def read(self, layer: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        num_blocks = -(-num_tokens // self.block_size)
-        blocks = self.pool[np.asarray(self.block_ids[:num_blocks]), layer]  # (n, 2, B, H, D)
-        kv = from_storage(blocks.swapaxes(0, 1).reshape(2, num_blocks * self.block_size,
-                                                        *blocks.shape[3:]))
-        return kv[K, :num_tokens], kv[V, :num_tokens]
+        keys, values = self.gather(layer, num_tokens)
+        return from_storage(keys), from_storage(values)
 
 
 @dataclass(frozen=True)

@@ -133,3 +133,65 @@ def test_chunked_prefill_equals_one_batch(chunk_tokens: int) -> None:
     paged = PagedKV(_pool(config, 8), [6, 0, 3, 5])
     chunked = model.prefill(prompt, 0, paged, chunk_tokens=chunk_tokens)
     assert np.abs(whole - chunked).max() <= 1e-5
+
+
+def _token_by_token(pool: np.ndarray, table: list[int], layer: int, start_pos: int,
+                    keys: np.ndarray, values: np.ndarray, num_frozen_tokens: int) -> None:
+    """The reference for PagedKV.write: one token at a time, straight from the definition."""
+    for i, position in enumerate(range(start_pos, start_pos + len(keys))):
+        if position >= num_frozen_tokens:
+            block, offset = table[position // BLOCK_SIZE], position % BLOCK_SIZE
+            pool[block, layer, 0, offset] = keys[i]
+            pool[block, layer, 1, offset] = values[i]
+
+
+@pytest.mark.parametrize("start_pos,num_tokens,num_frozen_tokens", [
+    (0, 1, 0), (0, 16, 0), (0, 80, 0), (5, 3, 0), (5, 11, 0), (5, 12, 0), (5, 60, 0),
+    (16, 1, 0), (31, 2, 0), (0, 80, 20), (0, 80, 32), (10, 40, 50), (3, 70, 3),
+])
+def test_write_in_runs_equals_token_by_token(start_pos: int, num_tokens: int,
+                                             num_frozen_tokens: int) -> None:
+    """Partial first block, full blocks, partial last block: every split lands where the
+    per-token definition puts it, and nothing else changes (other layers, frozen tokens)."""
+    config = ModelConfig(num_layers=2)
+    rng = np.random.default_rng(start_pos * 100 + num_tokens)
+    table = _scattered_table(rng, 16, 6)
+    shape = (num_tokens, config.num_kv_heads, config.head_dim)
+    keys, values = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    pool = rng.standard_normal((16, 2, 2, BLOCK_SIZE, config.num_kv_heads, config.head_dim))
+    pool = pool.astype(np.float32)
+    expected = pool.copy()
+    _token_by_token(expected, table, 1, start_pos, keys, values, num_frozen_tokens)
+    PagedKV(pool, table, num_frozen_tokens).write(1, start_pos, keys, values)
+    np.testing.assert_array_equal(pool, expected)
+
+
+def test_gather_reuses_its_buffer_and_grows_it() -> None:
+    config = ModelConfig()
+    rng = np.random.default_rng(11)
+    pool = rng.standard_normal((12, config.num_layers, 2, BLOCK_SIZE, config.num_kv_heads,
+                                config.head_dim)).astype(np.float16)
+    table = _scattered_table(rng, 12, 7)
+    paged = PagedKV(pool, table)
+    by_token = pool[table, 2].swapaxes(0, 1).reshape(2, -1, config.num_kv_heads, config.head_dim)
+    for num_tokens in (1, 16, 17, 40, 112, 3, 100):
+        keys, values = paged.gather(2, num_tokens)
+        assert keys.dtype == np.float16 and keys.shape == (num_tokens, *by_token.shape[2:])
+        np.testing.assert_array_equal(keys, by_token[0, :num_tokens])
+        np.testing.assert_array_equal(values, by_token[1, :num_tokens])
+    again, _ = paged.gather(0, 100)
+    assert np.shares_memory(again, keys)  # one buffer, overwritten by the next gather
+    np.testing.assert_array_equal(keys, pool[table, 0, 0].reshape(-1, *by_token.shape[2:])[:100])
+
+
+def test_gather_checks_layer_and_block_ids_and_the_pool_must_be_contiguous() -> None:
+    config = ModelConfig()
+    pool = _pool(config, 4)
+    with pytest.raises(BadArgsError, match="outside the pool"):
+        PagedKV(pool, [0, 4]).gather(0, 20)
+    with pytest.raises(BadArgsError, match="outside the pool"):
+        PagedKV(pool, [0, -1]).gather(0, 20)
+    with pytest.raises(BadArgsError, match="outside the pool"):
+        PagedKV(pool, [0]).gather(config.num_layers, 1)
+    with pytest.raises(BadArgsError, match="C-contiguous"):
+        PagedKV(pool[::2], [0])

@@ -1,22 +1,56 @@
-"""Data plane: one layer's K/V for a 4k-token sequence, from kvd's shared memory vs the alternatives.
+"""Data plane: one layer's K/V for a 4k-token sequence, in kvd's shared memory vs the alternatives.
 
-A worker reading its KV cache gathers, for one layer, the blocks of its block table:
-`pool[block_ids, layer]` -> `(num_blocks, 2, block_size, H, D)`, exactly what
-workers/model.py's PagedKV does. Measured in one run, best of many repeats (the stores take turns
-call by call):
+A worker moves its KV cache one layer at a time: it writes the K and V of its new tokens into the
+sequence's blocks, then gathers the K and V of every token back for attention. Both are
+workers/model.py's `PagedKV.write` and `PagedKV.gather`, run here unchanged over each store with
+the same data (a float16 model's K/V, so no dtype conversion hides the copies). The ops take
+turns call by call for many rounds, each round starting one op further along, and the table
+shows medians, so machine noise and cache state hit them alike:
 
-* **kvd**: the gather (and the scatter write) through `client.pool`, a NumPy view of the daemon's
-  POSIX shared-memory segment, with block ids a real `alloc` handed out (shuffled: a long-lived
-  pool hands out scattered blocks);
-* **private**: the same fancy-index gather from a private NumPy array of the same shape — the
-  ceiling (goal: kvd >= 0.9x its throughput, i.e. shared memory costs nothing); also a private
-  array on 4 KiB pages, because NumPy gets transparent huge pages for its arrays and a tmpfs
-  segment usually does not (shmem_enabled=never): the write gap is the page size;
-* **Redis**: what a user might pick instead, `redis-server` on a Unix socket (started here, no
-  persistence), one key per (block, layer) holding its bytes, MGET to gather (plus the
-  `np.frombuffer` of the joined values) and MSET to write. Skipped with a message when
-  redis-server or redis-py is missing (`apt-get install -y redis-server`, `pip install redis`).
-  Expectation: kvd >= 10x Redis.
+* **kvd**: `PagedKV` over `client.pool`, the NumPy view of the daemon's POSIX shared-memory
+  segment, with block ids a real `alloc` handed out (shuffled: a long-lived pool hands out
+  scattered blocks);
+* **private**: the same over a private NumPy array of the same shape, starting on a page boundary
+  as kvd's pool does — the ceiling (goal: kvd >= 0.9x its throughput);
+* **private, 4 KiB pages**: the same private array on 4 KiB pages (MADV_NOHUGEPAGE), the page size
+  shared memory gets on a default /dev/shm;
+* **Redis**: what a user might pick instead: `redis-server` on a Unix socket (started here, no
+  persistence), one key per block, layer and part holding its bytes. A write is one pipeline of
+  two MSETs of zero-copy memoryviews, a gather one pipeline of two MGETs copied into a buffer
+  reused from call to call, as PagedKV does (joining the replies into a fresh array faulted in
+  4,000 new pages per call). Replies go through hiredis when it is installed (the output says
+  so); commands always through redis-py's own packer, which sends large values without copying
+  them (with hiredis installed, redis-py would pack with it and copy: writes took twice as
+  long). Skipped with a message when redis-server or redis-py >= 5 is missing (`apt-get install
+  -y redis-server`, `pip install redis hiredis`). Expectation: kvd >= 10x Redis.
+
+Why shared memory can be slower than a private array, and what kvd does about it (figures from
+runs of this bench on a 2-core AMD EPYC VM):
+
+1. **Page size.** NumPy madvises transparent huge pages for large arrays, so a private array
+   lives on 2 MiB pages. A /dev/shm file gets 2 MiB pages only when /dev/shm is mounted with
+   `huge=within_size` (or `always`); the kernel then also maps every process's view 2 MiB-aligned,
+   and kvd needs no change (on such a tmpfs the write ran at the private array's speed). On a
+   default (`huge=never`) mount MADV_HUGEPAGE does nothing, and MADV_COLLAPSE builds huge pages
+   that a process can map as such only at a 2 MiB-aligned address, which Python's mmap cannot ask
+   for. So here a layer's write touches ~4,000 pages instead of 8: the "4 KiB pages" row measures
+   that share, and the output states which pages each store really got.
+2. **Alignment.** Copies of runs this long go through glibc's memmove (`rep movsb` here), whose
+   speed depends on where source and destination sit in their 64-byte lines: from a page-aligned
+   source into a destination 16 bytes past a page, a write took 2.2x as long as into a
+   page-aligned one; the other way round, 1.1x. `np.empty` places large arrays 16 bytes past a
+   page boundary, kvd's pool starts on one. An earlier version of this bench wrote from such a
+   source into such a private array (the fast case) and into kvd's pool (the slower one), which
+   with the page size read as kvd writing at 0.71x; the private arrays here start on a page too.
+3. **Copy granularity.** `PagedKV` moves a block's tokens as one contiguous run per part. The
+   per-token scatter it used before (T runs of H*D values) wrote 1.6x slower, and gathering into
+   a fresh array per call faulted in ~1,000 new pages each time, at 5-6x the copy's own cost.
+4. **Page faults.** A process's first touch of each 4 KiB page of the segment is a minor fault
+   (~3 us here: a cold 16 MiB write took ~8x a warm one), once per page per process, as a private
+   array's first touch is. Prefaulting at create would not help a worker (page tables are per
+   process, and `posix_fallocate` already allocates every page); MAP_POPULATE in each worker
+   maps the whole segment at ~0.5 us a page, but at connect time and for every client. Every
+   store here is touched before timing, and the table lists the faults per call.
 
     python -m bench.data_plane [--quick] [--out DIR]
 """
@@ -24,13 +58,19 @@ call by call):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import mmap
 import os
+import re
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,40 +79,67 @@ import numpy as np
 from bench.common import (
     ROOT,
     Daemon,
-    best_seconds,
     markdown_table,
     progress,
     pyplot,
     save_plot,
     write_json,
 )
+from workers.model import PagedKV
 
 GEOMETRY = {"layers": 4, "kv_heads": 8, "head_dim": 128, "block_size": 16, "dtype": "float16"}
 GOAL_PRIVATE_RATIO = 0.9
 EXPECTED_REDIS_SPEEDUP = 10.0
+LAYER = 1  # any layer costs the same
+PAGE_NBYTES = mmap.PAGESIZE
+REDIS_BUFFER_CUTOFF = 6000  # redis-py's own: values longer than this are sent, not copied
+STORE_LABELS = {"kvd": "kvd shared memory (client.pool)", "private": "private NumPy array",
+                "private_4k": "private array, 4 KiB pages", "redis": "Redis MGET / MSET (Unix socket)"}
 
 
-def gather(pool: np.ndarray, block_ids: np.ndarray, layer: int) -> np.ndarray:
-    """One layer's K and V of a sequence: `(num_blocks, 2, block_size, H, D)`, a copy."""
-    return pool[block_ids, layer]
+# ---- the private stores ---------------------------------------------------------------------
+def page_aligned_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A private NumPy array starting on a page boundary, as kvd's pool does (`np.empty` puts a
+    large array 16 bytes past one, and copies are sensitive to that: see the module docstring)."""
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + PAGE_NBYTES, dtype=np.uint8)
+    start = -raw.ctypes.data % PAGE_NBYTES
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def scatter(pool: np.ndarray, block_ids: np.ndarray, layer: int, kv: np.ndarray) -> None:
-    """Write one layer's K and V of a sequence into its blocks."""
-    pool[block_ids, layer] = kv
+def small_pages_mapping(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory kept on 4 KiB pages."""
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    return mapping
 
 
-def time_numpy(stores: dict[str, np.ndarray], block_ids: np.ndarray, kv: np.ndarray,
-               repeats: int) -> dict[str, dict[str, float]]:
-    """Best seconds of a gather and of a scatter of layer 1 (any layer costs the same) per store,
-    the stores taking turns call by call so that machine noise hits them alike."""
-    best = {name: {"read_s": float("inf"), "write_s": float("inf")} for name in stores}
-    for _ in range(repeats):
-        for name, pool in stores.items():
-            for what, func in (("read_s", lambda pool=pool: gather(pool, block_ids, 1)),
-                               ("write_s", lambda pool=pool: scatter(pool, block_ids, 1, kv))):
-                best[name][what] = min(best[name][what], best_seconds(func, 1))
-    return best
+def huge_page_nbytes(array: np.ndarray) -> int | None:
+    """How many bytes of `array` this process maps with 2 MiB pages (None if unknown)."""
+    start, end = array.ctypes.data, array.ctypes.data + array.nbytes
+    try:
+        with open("/proc/self/smaps", encoding="ascii") as file:
+            smaps = file.read()
+    except OSError:
+        return None
+    total_kib = 0
+    for area in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", smaps):
+        low, high = (int(x, 16) for x in area.split(None, 1)[0].split("-"))
+        if low < end and high > start:
+            total_kib += sum(int(kib) for kib in re.findall(
+                r"^(?:AnonHugePages|ShmemPmdMapped):\s+(\d+) kB", area, re.M))
+    return total_kib * 1024
+
+
+def shm_huge_option() -> str:
+    """The `huge=` option /dev/shm is mounted with (what decides its page size)."""
+    with open("/proc/mounts", encoding="ascii") as file:
+        for line in file:
+            fields = line.split()
+            if fields[1] == "/dev/shm":
+                match = re.search(r"huge=(\w+)", fields[3])
+                return match.group(1) if match else "never"
+    return "unknown"
 
 
 # ---- Redis ------------------------------------------------------------------------------------
@@ -81,17 +148,19 @@ def redis_missing() -> str | None:
     if shutil.which("redis-server") is None:
         return "redis-server is not installed (apt-get install -y redis-server)"
     try:
-        import redis  # noqa: F401
+        from redis.connection import PythonRespSerializer  # noqa: F401  (redis-py >= 5)
     except ImportError:
-        return "redis-py is not installed (pip install redis)"
+        return "redis-py >= 5 is not installed (pip install -U redis)"
     return None
 
 
 class RedisServer:
-    """redis-server on a Unix socket in a temp dir, no persistence; a context manager."""
+    """redis-server on a Unix socket in a temp dir, no persistence, and a client; a context
+    manager."""
 
     def __init__(self) -> None:
         import redis
+        from redis.connection import Encoder, PythonRespSerializer
 
         self.directory = tempfile.mkdtemp(prefix="kvdr-", dir="/tmp")
         self.socket_path = os.path.join(self.directory, "redis.sock")
@@ -99,7 +168,13 @@ class RedisServer:
             ["redis-server", "--port", "0", "--unixsocket", self.socket_path,
              "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
              "--dir", self.directory], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.client = redis.Redis(unix_socket_path=self.socket_path)
+        # With hiredis installed, redis-py also packs commands with it, copying every value
+        # into one bytes object; its own packer sends large values (the blocks' memoryviews) as
+        # they are, which wrote in half the time here. Replies still go through hiredis.
+        encoder = Encoder(encoding="utf-8", encoding_errors="strict", decode_responses=False)
+        self.client = redis.Redis(connection_pool=redis.ConnectionPool(
+            connection_class=redis.UnixDomainSocketConnection, path=self.socket_path,
+            command_packer=PythonRespSerializer(REDIS_BUFFER_CUTOFF, encoder.encode)))
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -125,117 +200,195 @@ class RedisServer:
         self.stop()
 
 
-def time_redis(kv: np.ndarray, repeats: int) -> dict[str, float]:
-    """MSET the blocks' bytes (one key per block of one layer), MGET them back into an array."""
-    keys = [f"kv:{i}:1".encode() for i in range(len(kv))]
+class RedisKV:
+    """One layer of a sequence's K/V in Redis, a key per block and part, moved as PagedKV moves
+    it: a write is one pipeline of two MSETs (zero-copy memoryviews of the blocks), a gather one
+    pipeline of two MGETs copied into a buffer reused from call to call (joining the replies
+    into a fresh array instead faulted in 16 MiB of new pages per call)."""
 
-    def write() -> None:
-        server.client.mset({key: block.tobytes() for key, block in zip(keys, kv)})
+    def __init__(self, client: Any, num_blocks: int, block_shape: tuple[int, ...],
+                 dtype: np.dtype) -> None:
+        self.client = client
+        self.names = {part: [f"kv:{i}:{LAYER}:{part}".encode() for i in range(num_blocks)]
+                      for part in ("k", "v")}
+        self._gathered = np.empty((2, num_blocks, math.prod(block_shape)), dtype=dtype)
+        self._token_shape = block_shape[1:]
 
-    def read() -> np.ndarray:
-        return np.frombuffer(b"".join(server.client.mget(keys)), dtype=kv.dtype).reshape(kv.shape)
+    def write(self, keys: np.ndarray, values: np.ndarray) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for part, data in (("k", keys), ("v", values)):
+            blocks = data.reshape(len(self.names[part]), -1)
+            pipe.mset({name: memoryview(block).cast("B")
+                       for name, block in zip(self.names[part], blocks)})
+        pipe.execute()
 
-    with RedisServer() as server:
-        write_s = best_seconds(write, repeats)
-        read_s = best_seconds(read, repeats)
-        if not np.array_equal(read(), kv):
-            raise RuntimeError("Redis returned different bytes than were written")
-    return {"read_s": read_s, "write_s": write_s}
+    def gather(self) -> tuple[np.ndarray, np.ndarray]:
+        pipe = self.client.pipeline(transaction=False)
+        for part in ("k", "v"):
+            pipe.mget(self.names[part])
+        for part, blobs in enumerate(pipe.execute()):
+            for block, blob in enumerate(blobs):
+                self._gathered[part, block] = np.frombuffer(blob, dtype=self._gathered.dtype)
+        tokens = self._gathered.reshape(2, -1, *self._token_shape)
+        return tokens[0], tokens[1]
+
+
+def redis_parser() -> str:
+    """Which reply parser redis-py uses (hiredis when it is installed)."""
+    import redis.utils
+
+    return "hiredis" if redis.utils.HIREDIS_AVAILABLE else "pure-Python parser"
+
+
+# ---- timing -----------------------------------------------------------------------------------
+def time_rounds(ops: dict[tuple[str, str], Callable[[], Any]],
+                num_rounds: int) -> dict[tuple[str, str], dict[str, float]]:
+    """Median seconds and minor page faults per call of each op, the ops taking turns.
+
+    Each round starts one op further along, so that no op always follows the same one: an op
+    right after Redis's finds the caches full of Redis's buffers instead of the K/V source.
+    """
+    seconds: dict[tuple[str, str], list[float]] = {key: [] for key in ops}
+    faults: dict[tuple[str, str], list[int]] = {key: [] for key in ops}
+    order = list(ops)
+    for round_index in range(num_rounds):
+        first = round_index % len(order)
+        for key in order[first:] + order[:first]:
+            op = ops[key]
+            faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            start = time.perf_counter()
+            op()
+            seconds[key].append(time.perf_counter() - start)
+            faults[key].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
+    return {key: {"median_s": float(np.median(seconds[key])),
+                  "p10_s": float(np.percentile(seconds[key], 10)),
+                  "p90_s": float(np.percentile(seconds[key], 90)),
+                  "faults": float(np.median(faults[key]))} for key in ops}
 
 
 # ---- driver -------------------------------------------------------------------------------------
 def run(quick: bool) -> dict[str, Any]:
     num_tokens = 1024 if quick else 4096
-    repeats = 5 if quick else 200  # a gather is ~1 ms: many repeats are cheap, and the best
-    # of many is what survives other processes' bursts of memory traffic
-    block_size = GEOMETRY["block_size"]
-    num_seq_blocks = num_tokens // block_size
+    num_rounds = 5 if quick else 100  # a round is ~60 ms, most of it Redis's
+    num_seq_blocks = num_tokens // GEOMETRY["block_size"]
     num_blocks = 2 * num_seq_blocks
-    rng = np.random.default_rng(0)
     results: dict[str, Any] = {"geometry": GEOMETRY, "num_tokens": num_tokens,
-                               "num_pool_blocks": num_blocks, "repeats": repeats}
+                               "num_pool_blocks": num_blocks, "num_rounds": num_rounds,
+                               "shm_huge": shm_huge_option()}
     progress(f"data plane: {num_tokens}-token sequence, {num_blocks}-block pool")
-    with Daemon(num_blocks, **GEOMETRY) as daemon, daemon.connect() as client:
-        allocated = np.array(client.alloc(num_blocks))
-        block_ids = rng.permutation(allocated)[:num_seq_blocks]
-        pool = client.pool
-        kv = rng.standard_normal(gather(pool, block_ids, 1).shape).astype(pool.dtype)
-        pool[:] = 1  # touch every page, as the private copies' are
-        private = np.ones_like(pool)
-        # NumPy asks for transparent huge pages on large arrays (madvise); shared memory gets
-        # 4 KiB pages unless /sys/kernel/mm/transparent_hugepage/shmem_enabled allows more. An
-        # anonymous mmap without that advice shows how much of a gap is the page size.
-        small_pages = mmap.mmap(-1, pool.nbytes)
-        private_4k = np.frombuffer(small_pages, dtype=pool.dtype).reshape(pool.shape)
-        private_4k[:] = 1
-        results["layer_nbytes"] = kv.nbytes
-        results.update(time_numpy({"kvd": pool, "private": private, "private_4k": private_4k},
-                                  block_ids, kv, repeats))
-        if not np.array_equal(gather(pool, block_ids, 1), kv):
-            raise RuntimeError("the shared-memory gather did not return what was written")
-        del pool, private, private_4k
-        small_pages.close()
     missing = redis_missing()
-    if missing is None:
-        progress("data plane: Redis MSET/MGET of the same blocks")
-        results["redis"] = time_redis(kv, min(repeats, 20))
-    else:
-        results["redis_skipped"] = missing
+    if missing is not None:
         progress(f"data plane: Redis skipped: {missing}")
+        results["redis_skipped"] = missing
+    with Daemon(num_blocks, **GEOMETRY) as daemon, daemon.connect() as client, \
+            (RedisServer() if missing is None else contextlib.nullcontext()) as server:
+        rng = np.random.default_rng(0)
+        table = [int(i) for i in rng.permutation(client.alloc(num_blocks))[:num_seq_blocks]]
+        small_pages = small_pages_mapping(client.pool.nbytes)
+        results.update(measure(client.pool, small_pages, table, server, num_rounds, rng))
+        small_pages.close()  # measure() has returned: no view of it is left
+    return results
+
+
+def measure(pool: np.ndarray, small_pages: mmap.mmap, table: list[int],
+            server: RedisServer | None, num_rounds: int,
+            rng: np.random.Generator) -> dict[str, Any]:
+    """Time PagedKV's write and gather over every store (and Redis's), then check what they
+    gathered is what was written."""
+    num_tokens = len(table) * pool.shape[3]
+    token_shape = (num_tokens, *pool.shape[4:])
+    keys = rng.standard_normal(token_shape).astype(pool.dtype)
+    values = rng.standard_normal(token_shape).astype(pool.dtype)
+    stores = {"kvd": pool, "private": page_aligned_array(pool.shape, pool.dtype),
+              "private_4k": np.frombuffer(small_pages, dtype=pool.dtype).reshape(pool.shape)}
+    for store in stores.values():
+        store[:] = 1  # every page touched (and faulted in) before timing
+    results: dict[str, Any] = {
+        "layer_nbytes": keys.nbytes + values.nbytes, "pool_nbytes": pool.nbytes,
+        "huge_page_nbytes": {name: huge_page_nbytes(store) for name, store in stores.items()}}
+    paged = {name: PagedKV(store, table) for name, store in stores.items()}
+    writes = {name: partial(kv.write, LAYER, 0, keys, values) for name, kv in paged.items()}
+    gathers = {name: partial(kv.gather, LAYER, num_tokens) for name, kv in paged.items()}
+    if server is not None:
+        progress(f"data plane: Redis ({redis_parser()}) taking turns with the others")
+        results["redis_parser"] = redis_parser()
+        redis_kv = RedisKV(server.client, len(table), pool.shape[3:], pool.dtype)
+        writes["redis"] = partial(redis_kv.write, keys, values)
+        gathers["redis"] = redis_kv.gather
+    timings = time_rounds({**{(name, "write"): op for name, op in writes.items()},
+                           **{(name, "gather"): op for name, op in gathers.items()}}, num_rounds)
+    for (name, what), timing in timings.items():
+        results.setdefault(name, {})[what] = timing
+    for name, gather in gathers.items():
+        got_keys, got_values = gather()
+        if not (np.array_equal(got_keys, keys) and np.array_equal(got_values, values)):
+            raise RuntimeError(f"{name} gathered different K/V than was written")
     return results
 
 
 def ratios(results: dict[str, Any]) -> dict[str, float]:
+    """Throughput of kvd over each other store (> 1: kvd is faster)."""
     kvd = results["kvd"]
-    out = {f"kvd_vs_private_{what}": results["private"][f"{what}_s"] / kvd[f"{what}_s"]
-           for what in ("read", "write")}
-    if "redis" in results:
-        out.update({f"kvd_vs_redis_{what}": results["redis"][f"{what}_s"] / kvd[f"{what}_s"]
-                    for what in ("read", "write")})
-    return out
+    return {f"kvd_vs_{store}_{what}": results[store][what]["median_s"] / kvd[what]["median_s"]
+            for store in ("private", "private_4k", "redis") if store in results
+            for what in ("write", "gather")}
 
 
 def markdown(results: dict[str, Any]) -> str:
     nbytes = results["layer_nbytes"]
     rows = []
-    for store in ("kvd", "private", "private_4k", "redis"):
+    for store in STORE_LABELS:
         if store not in results:
             continue
-        row = results[store]
-        rows.append([{"kvd": "kvd shared memory (client.pool)", "private": "private NumPy array",
-                      "private_4k": "private array, 4 KiB pages (anonymous mmap)",
-                      "redis": "Redis MGET / MSET (Unix socket)"}[store],
-                     f"{row['read_s'] * 1e3:.2f}", f"{nbytes / row['read_s'] / 1e9:.2f}",
-                     f"{row['write_s'] * 1e3:.2f}", f"{nbytes / row['write_s'] / 1e9:.2f}"])
-    table = markdown_table(["store", "gather ms", "gather GB/s", "write ms", "write GB/s"], rows)
+        row = [STORE_LABELS[store]]
+        for what in ("write", "gather"):
+            timing = results[store][what]
+            row += [f"{timing['median_s'] * 1e3:.2f}",
+                    f"{nbytes / timing['median_s'] / 1e9:.1f}", f"{timing['faults']:.0f}"]
+        rows.append(row)
+    table = markdown_table(["store", "write ms", "write GB/s", "write faults", "gather ms",
+                            "gather GB/s", "gather faults"], rows)
     r = ratios(results)
-    small = results["private_4k"]
-    notes = (f"kvd / private throughput: gather {r['kvd_vs_private_read']:.2f}x, write "
-             f"{r['kvd_vs_private_write']:.2f}x (goal >= {GOAL_PRIVATE_RATIO}x); against a "
-             f"private array on 4 KiB pages, as shared memory is here: gather "
-             f"{small['read_s'] / results['kvd']['read_s']:.2f}x, write "
-             f"{small['write_s'] / results['kvd']['write_s']:.2f}x. ")
+    huge = results["huge_page_nbytes"]
+    mib = lambda name: ("?" if huge[name] is None else f"{huge[name] / 2**20:.0f}")
+    notes = [
+        f"kvd / private throughput: write **{r['kvd_vs_private_write']:.2f}x**, gather "
+        f"**{r['kvd_vs_private_gather']:.2f}x** (goal >= {GOAL_PRIVATE_RATIO}x); against the "
+        f"private array on 4 KiB pages: write {r['kvd_vs_private_4k_write']:.2f}x, gather "
+        f"{r['kvd_vs_private_4k_gather']:.2f}x.",
+        f"Pages: of each store's {results['pool_nbytes'] / 2**20:.0f} MiB, {mib('kvd')} MiB of "
+        f"kvd's mapping, {mib('private')} MiB of the private array and {mib('private_4k')} MiB "
+        f"of the 4 KiB-page array are on 2 MiB pages (/dev/shm is mounted "
+        f"huge={results['shm_huge']}"
+        + ("; mounted huge=within_size, it gives the segment 2 MiB pages)."
+           if results["shm_huge"] == "never" else ")."),
+    ]
     if "redis" in results:
-        notes += (f"kvd over Redis: gather {r['kvd_vs_redis_read']:.1f}x, write "
-                  f"{r['kvd_vs_redis_write']:.1f}x faster (expected >= {EXPECTED_REDIS_SPEEDUP:.0f}x).")
+        notes.append(f"kvd over Redis ({results['redis_parser']} replies): write "
+                     f"**{r['kvd_vs_redis_write']:.1f}x**, gather "
+                     f"**{r['kvd_vs_redis_gather']:.1f}x** faster (expected >= "
+                     f"{EXPECTED_REDIS_SPEEDUP:.0f}x).")
     else:
-        notes += f"Redis skipped: {results['redis_skipped']}."
+        notes.append(f"Redis skipped: {results['redis_skipped']}.")
     return (f"## Data plane: one layer's K/V of a {results['num_tokens']}-token sequence "
-            f"({nbytes / 2**20:.0f} MiB, bench/data_plane.py)\n\n" + table + "\n" + notes + "\n")
+            f"({nbytes / 2**20:.0f} MiB, bench/data_plane.py)\n\n"
+            f"`PagedKV.write` and `PagedKV.gather` (workers/model.py) over each store; medians "
+            f"of {results['num_rounds']} rounds taken in turn; faults are minor page faults per "
+            "call.\n\n" + table + "\n" + " ".join(notes) + "\n")
 
 
 def plot(results: dict[str, Any], out: Path) -> Path:
     plt = pyplot()
-    stores = [s for s in ("kvd", "private", "private_4k", "redis") if s in results]
+    stores = [s for s in STORE_LABELS if s in results]
     nbytes = results["layer_nbytes"]
     figure, axes = plt.subplots(figsize=(7, 3.5))
     width = 0.38
-    for i, what in enumerate(("read", "write")):
+    for i, what in enumerate(("write", "gather")):
         x = [j + i * width for j in range(len(stores))]
-        axes.bar(x, [nbytes / results[s][f"{what}_s"] / 1e9 for s in stores], width,
-                 label="gather" if what == "read" else "write")
+        axes.bar(x, [nbytes / results[s][what]["median_s"] / 1e9 for s in stores], width,
+                 label=what)
     axes.set(xticks=[j + width / 2 for j in range(len(stores))], xticklabels=stores,
-             ylabel="GB/s", title=f"One layer's K/V, {results['num_tokens']} tokens")
+             ylabel="GB/s (median)", title=f"One layer's K/V, {results['num_tokens']} tokens")
     axes.legend()
     return save_plot(figure, out, "data_plane")
 

@@ -94,7 +94,8 @@ LAYER = 1  # any layer costs the same
 PAGE_NBYTES = mmap.PAGESIZE
 REDIS_BUFFER_CUTOFF = 6000  # redis-py's own: values longer than this are sent, not copied
 STORE_LABELS = {"kvd": "kvd shared memory (client.pool)", "private": "private NumPy array",
-                "private_4k": "private array, 4 KiB pages", "redis": "Redis MGET / MSET (Unix socket)"}
+                "private_4k": "private array, 4 KiB pages",
+                "redis": "Redis MGET / MSET (Unix socket)"}
 
 
 # ---- the private stores ---------------------------------------------------------------------
@@ -148,9 +149,11 @@ def redis_missing() -> str | None:
     if shutil.which("redis-server") is None:
         return "redis-server is not installed (apt-get install -y redis-server)"
     try:
-        from redis.connection import PythonRespSerializer  # noqa: F401  (redis-py >= 5)
+        import redis.connection
     except ImportError:
-        return "redis-py >= 5 is not installed (pip install -U redis)"
+        return "redis-py is not installed (pip install redis hiredis)"
+    if not hasattr(redis.connection, "PythonRespSerializer"):
+        return "redis-py is older than 5.0 (pip install -U redis)"
     return None
 
 

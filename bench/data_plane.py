@@ -43,8 +43,8 @@ runs of this bench on a 2-core AMD EPYC VM):
    source into such a private array (the fast case) and into kvd's pool (the slower one), which
    with the page size read as kvd writing at 0.71x; the private arrays here start on a page too.
 3. **Copy granularity.** `PagedKV` moves a block's tokens as one contiguous run per part. The
-   per-token scatter it used before (T runs of H*D values) wrote 1.6x slower, and gathering into
-   a fresh array per call faulted in ~1,000 new pages each time, at 5-6x the copy's own cost.
+   per-token scatter it used before (T runs of H*D values) wrote 1.4-1.6x slower, and gathering
+   into a fresh array per call faulted in ~1,000 new pages each time, at 5-6x the copy's cost.
 4. **Page faults.** A process's first touch of each 4 KiB page of the segment is a minor fault
    (~3 us here: a cold 16 MiB write took ~8x a warm one), once per page per process, as a private
    array's first touch is. Prefaulting at create would not help a worker (page tables are per

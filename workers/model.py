@@ -23,8 +23,8 @@ stores. Two stores implement that protocol:
   every full block in one fancy-index assignment, a partial last block; a read is one `np.take`
   of whole runs per part into a buffer the PagedKV keeps, already in token order. With the
   geometry of bench/data_plane.py, the per-token scatter this replaced (T runs of H*D values)
-  wrote 1.6x slower, and gathering K and V together into a fresh array, then untangling them
-  with a transposing copy, read float32 several times slower (mostly faulting in the fresh
+  wrote 1.4-1.6x slower, and gathering K and V together into a fresh array, then untangling them
+  with a transposing copy, read float32 about 3x slower (mostly faulting in the fresh
   pages). Positions below `num_frozen_tokens` belong to cached (sealed, shared, read-only)
   blocks: writes there are dropped, because the bytes are already the K/V this model would
   compute.
@@ -186,7 +186,7 @@ class PagedKV:
 
         Both are views of a buffer this PagedKV reuses: they hold until its next `gather` or
         `read`. A fresh output per call had glibc map and fault in new pages every time, which
-        cost several times the copy itself (bench/data_plane.py).
+        cost 5-6x the copy itself (bench/data_plane.py).
         """
         num_blocks = -(-num_tokens // self.block_size)
         rows = self._checked_rows(layer, np.asarray(self.block_ids[:num_blocks], dtype=np.intp))

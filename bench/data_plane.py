@@ -57,7 +57,6 @@ runs of this bench on a 2-core AMD EPYC VM):
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import mmap
@@ -77,8 +76,8 @@ from typing import Any
 import numpy as np
 
 from bench.common import (
-    ROOT,
     Daemon,
+    bench_main,
     markdown_table,
     progress,
     pyplot,
@@ -404,14 +403,5 @@ def run_bench(quick: bool, out: Path) -> str:
     return markdown(results)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run (1k tokens)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    args = parser.parse_args(argv)
-    print(run_bench(args.quick, args.out))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench_main(__doc__, run_bench))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import selectors
 import shutil
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -312,6 +314,26 @@ def measure_event_loops(num_requests: int) -> dict[str, Any]:
                    "server_cpu_us": cpu[name] / len(samples[name]) / 1e3} for name in samples}
 
 
+@contextlib.contextmanager
+def one_cpu(*pids: int) -> Iterator[None]:
+    """Pin these processes to one CPU for the block, then restore their CPU sets.
+
+    Cross-process round trips on a small VM depend on where the scheduler puts the client and
+    each server: on one vCPU or two (an IPI, maybe a halted vCPU to wake), next to whatever else
+    runs. Between identical runs that moved the batch-1 ratio from 0.8x to 3x. With the client,
+    the echo server and the daemon on one CPU, kvd and its floor always meet the same conditions.
+    """
+    saved = {pid: os.sched_getaffinity(pid) for pid in pids}
+    cpu = min(saved[os.getpid()])
+    try:
+        for pid in pids:
+            os.sched_setaffinity(pid, {cpu})
+        yield
+    finally:
+        for pid, cpus in saved.items():
+            os.sched_setaffinity(pid, cpus)
+
+
 def _scratch() -> dict[str, list[int]]:
     """Samples of warm-up rounds, thrown away."""
     return {op: [] for op in OPS}
@@ -340,6 +362,11 @@ def run(quick: bool) -> dict[str, Any]:
                     next_key += (num_rounds + 5) * batch_size
                 results.setdefault("cpu_per_request", {})[mode] = measure_cpu(
                     daemon, echo, 200 if quick else 4000)
+                if not journal:
+                    progress("control plane: no-journal, batch 1, every process on one CPU")
+                    with one_cpu(os.getpid(), echo.proc.pid, daemon.proc.pid):
+                        results["one_cpu_batch1"] = measure(daemon, echo.socket_path, 1,
+                                                            rounds_for(1, quick), next_key)
             results["daemons"][mode] = rows
     progress("control plane: event loops (selectors vs asyncio Protocol echo)")
     results["event_loops"] = measure_event_loops(200 if quick else 4000)
@@ -347,21 +374,20 @@ def run(quick: bool) -> dict[str, Any]:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    rows = []
-    for mode, by_batch in results["daemons"].items():
-        for batch, row in by_batch.items():
-            for op in OPS:
-                cell = row[op]
-                rows.append([mode, batch, op, f"{cell['kvd']['p50_us']:.1f}",
-                             f"{cell['kvd']['p99_us']:.1f}", f"{cell['echo']['p50_us']:.1f}",
-                             f"{cell['echo']['p99_us']:.1f}", f"{cell['p50_ratio']:.2f}x",
-                             f"{cell['block_ops_per_s']:,.0f}"])
+    one = results["one_cpu_batch1"]
+    measured = [(mode, batch, row) for mode, by_batch in results["daemons"].items()
+                for batch, row in by_batch.items()] + [("no-journal, one CPU", "1", one)]
+    rows = [[mode, batch, op, f"{row[op]['kvd']['p50_us']:.1f}", f"{row[op]['kvd']['p99_us']:.1f}",
+             f"{row[op]['echo']['p50_us']:.1f}", f"{row[op]['echo']['p99_us']:.1f}",
+             f"{row[op]['p50_ratio']:.2f}x", f"{row[op]['block_ops_per_s']:,.0f}"]
+            for mode, batch, row in measured for op in OPS]
     table = markdown_table(["daemon", "batch", "op", "kvd p50 µs", "kvd p99 µs", "echo p50 µs",
                             "echo p99 µs", "p50 / floor", "block-ops/s (p50)"], rows)
     base = results["daemons"]["no-journal"]
-    worst_ratio = max(base["1"][op]["p50_ratio"] for op in OPS)
+    worst_ratio = max(max(base["1"][op]["p50_ratio"], one[op]["p50_ratio"]) for op in OPS)
     slowest = min(base["256"][op]["block_ops_per_s"] for op in OPS)
-    goals = (f"Goals (no journal): p50 at batch 1 is at most {worst_ratio:.2f}x the echo floor "
+    goals = (f"Goals (no journal): p50 at batch 1 is at most {worst_ratio:.2f}x the echo floor, "
+             f"free-running or on one CPU "
              f"(goal <= {GOAL_RATIO_BATCH1}x: {'met' if worst_ratio <= GOAL_RATIO_BATCH1 else 'NOT met'}); "
              f"the slowest op at batch 256 does {slowest:,.0f} block-ops/s, a full "
              f"alloc/seal/release/lookup/release cycle {base['256']['cycle_block_ops_per_s']:,.0f} "

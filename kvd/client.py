@@ -170,12 +170,20 @@ class Client:
     def _request(self, op: str, args: dict[str, Any]) -> Any:
         request_id = self._next_id
         self._next_id += 1
+        sock, view = self._sock, self._recv_view
         try:
-            self._sock.sendall(self._encoder.request(request_id, op, args))
-            body = self._read_body()
+            sock.sendall(self._encoder.request(request_id, op, args))
+            while True:  # one request in flight: the first complete frame is its reply
+                nbytes = sock.recv_into(view)
+                if not nbytes:
+                    raise DisconnectedError(f"the kvd daemon at {self.socket_path} closed the "
+                                            "connection")
+                bodies = self._decoder.feed(view[:nbytes])
+                if bodies:
+                    break
         except OSError as exc:
             raise DisconnectedError(f"lost the kvd daemon at {self.socket_path}: {exc}") from None
-        reply_id, result = parse_reply(unpack_body(body))
+        reply_id, result = parse_reply(unpack_body(bodies[0]))
         if reply_id != request_id:
             raise DisconnectedError(f"reply {reply_id} does not answer request {request_id}: "
                                     "the session is out of step, reconnect")
@@ -199,16 +207,6 @@ class Client:
                                             f"{self.reconnect_timeout_s} s") from None
                 time.sleep(delay_s)
                 delay_s = min(delay_s * 2, 0.5)
-
-    def _read_body(self) -> bytes:
-        while True:
-            nbytes = self._sock.recv_into(self._recv_view)
-            if not nbytes:
-                raise DisconnectedError(f"the kvd daemon at {self.socket_path} closed the "
-                                        "connection")
-            bodies = self._decoder.feed(self._recv_view[:nbytes])
-            if bodies:
-                return bodies[0]  # one request in flight: at most one reply
 
     def _teardown(self) -> None:
         if self._sock is not None:

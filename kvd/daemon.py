@@ -404,13 +404,16 @@ class Daemon:
             _send_quietly(connection.sock, bytes(connection.output) + encode_error(None, exc))
             self._close(connection, f"framing error: {exc}")
             return
-        session, pending = connection.session, connection.pending
+        session, replies = connection.session, []
         for body in bodies:
-            pending.append(self._reply(session, body))
+            replies.append(self._reply(session, body))
         if self.journal is not None and self.journal.num_seals_pending:
-            self._replied.add(connection)  # held for this iteration's commit
-        else:  # nothing uncommitted exists, so no reply can reveal it: answer now
-            self._send_pending(connection, None)
+            connection.pending += replies  # held for this iteration's commit
+            self._replied.add(connection)
+        elif len(replies) == 1:  # nothing uncommitted exists, so no reply can reveal it
+            self._send(connection, replies[0][1])
+        else:
+            self._send(connection, b"".join([reply for _, reply, _ in replies]))
 
     def _reply(self, session: Session, body: bytes) -> tuple[int | None, bytes, bool]:
         """Handle one frame body: (request id, reply frame, whether it awaits the journal)."""

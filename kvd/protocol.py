@@ -267,7 +267,8 @@ def parse_reply(obj: Any) -> tuple[int, Any]:
     if type(obj) is not list or len(obj) != 3 or type(obj[1]) is not bool:
         raise _protocol_error("a reply is [request_id, ok, result_or_error]")
     request_id, is_ok, payload = obj
-    if not (_is_request_id(request_id) or (request_id is None and not is_ok)):
+    if not (type(request_id) is int and 0 <= request_id <= MAX_REQUEST_ID
+            or (request_id is None and not is_ok)):
         raise _protocol_error(f"reply request_id must be an int in [0, 2**64), "
                               f"got {request_id!r:.80}")
     if is_ok:

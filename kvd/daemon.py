@@ -410,7 +410,8 @@ class Daemon:
         return request_id, reply, is_journaled
 
     def _commit_and_reply(self) -> None:
-        """Group commit: one journal transaction for the iteration, then every reply goes out.
+        """Group commit: one journal transaction for the iteration, then every reply goes out,
+        then the journal's upkeep (compaction, WAL checkpoints), which no reply waits for.
 
         Replies wait for the commit so that no client hears "sealed" before the seal is durable
         (see kvd/journal.py for why evictions need not force a commit).
@@ -428,6 +429,8 @@ class Daemon:
             if connection.sock.fileno() in self._connections:
                 self._flush(connection)
         self._replied.clear()
+        if self.journal is not None and self.service.write_error is None:
+            self._tidy_journal()
 
     def _commit_journal(self) -> JournalError | None:
         """Commit (or, after a failure, try a full rewrite); returns the error if it failed."""
@@ -442,13 +445,23 @@ class Daemon:
             elif journal.num_seals_pending:  # tombstones alone wait (kvd/journal.py)
                 journal.commit()
         except JournalError as exc:
-            if self.service.write_error is None:
-                log.error("%s; refusing allocations and seals until it recovers", exc)
-            self.service.counters["journal_failures"] += 1
-            self.service.write_error = str(exc)
-            self._next_journal_retry = time.monotonic() + 1.0
+            self._journal_failed(exc)
             return exc
         return None
+
+    def _tidy_journal(self) -> None:
+        try:
+            self.journal.tidy()
+        except JournalError as exc:  # no reply depends on it, but the next commit would fail
+            self._journal_failed(exc)
+
+    def _journal_failed(self, exc: JournalError) -> None:
+        """Fail closed: refuse allocations and seals, retry a full rewrite in a second."""
+        if self.service.write_error is None:
+            log.error("%s; refusing allocations and seals until it recovers", exc)
+        self.service.counters["journal_failures"] += 1
+        self.service.write_error = str(exc)
+        self._next_journal_retry = time.monotonic() + 1.0
 
     def _on_shutdown(self, keep: bool) -> None:
         self.stop(keep=keep)

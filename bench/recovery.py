@@ -40,6 +40,7 @@ hits both alike):
 
     python -m bench.recovery [--num-blocks 1000000] [--repeats 3] [--seconds 1.0] [--out DIR]
                              [--parts recovery,commits,seal] [--batch-sizes 1,16,256]
+                             [--rounds 10]
 """
 
 from __future__ import annotations
@@ -584,6 +585,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated parts to run, of {','.join(PARTS)} (e.g. seal: "
                              "only the seal throughput tables)")
+    parser.add_argument("--rounds", type=int, default=10,
+                        help="seal rounds per batch size and mode (more: steadier medians)")
     parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)),
                         help="comma-separated batch sizes of the commit and seal parts")
     parser.add_argument("--child", nargs=3, metavar=("WHAT", "NAME", "NUM_BLOCKS"),
@@ -605,7 +608,7 @@ def main(argv: list[str] | None = None) -> None:
         if "commits" in parts:
             results["commits"] = bench_commit_cost(args.seconds, batch_sizes)
         if "seal" in parts:
-            results["seal"] = bench_seal_throughput(args.seconds, batch_sizes)
+            results["seal"] = bench_seal_throughput(args.seconds, batch_sizes, args.rounds)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print_tables(results)

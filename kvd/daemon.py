@@ -15,6 +15,10 @@ writes the pidfile. `serve_forever()` then multiplexes with `selectors`:
                        the socket, so EOF would come late or never — closes the session at once
     signal pipe        SIGTERM/SIGINT (set_wakeup_fd) stop the loop
 
+After each iteration's handlers, the journal commits what they changed (one group commit), then
+every held reply goes out, then the journal's upkeep runs (kvd/journal.py: compaction steps and
+WAL checkpoints, which no reply waits for).
+
 A connection is closed for framing errors (the byte stream is unsynchronised), when its peer
 dies, and when it lets more than MAX_OUTPUT_NBYTES of replies pile up unread. Closing releases the
 session's pins and frees its unsealed blocks (Service.close_session). Every other bad request gets

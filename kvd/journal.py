@@ -46,26 +46,43 @@ under -- a parent block evicted and reused for other content is never mistaken f
 Compaction keeps the log, and so recovery, bounded. Superseded SEAL records and tombstones are
 dead weight; the journal knows in memory which chunk holds each block's live SEAL record
 (`_LogState.chunk_of`). Whenever the log holds more than `compact_factor` x live records +
-`min_compact_records`, each commit also *cleans* the oldest chunks, about max(COMPACT_BUDGET,
-2 x appended) records' worth, in its own transaction: live records are copied verbatim to new
-chunks at the tail and the cleaned chunks deleted. This never changes what replay yields: a moved
-record is its block's last record and stays so (it was live), its seal_seq keeps the seal order,
-and a dropped tombstone has no older record of its block left (those sit in the same or older
-chunks, cleaned first). Work per commit is bounded (no stall), and amortised it is O(records
-appended): a chunk is cleaned only when the log holds more dead records than live ones overall.
+`min_compact_records`, the upkeep after each commit also *cleans* the oldest chunks, about
+max(COMPACT_BUDGET, 2 x appended) records' worth, in its own transaction: live records are
+copied verbatim to new chunks at the tail and the cleaned chunks deleted. This never changes what
+replay yields: a moved record is its block's last record and stays so (it was live), its
+seal_seq keeps the seal order, and a dropped tombstone has no older record of its block left
+(those sit in the same or older chunks, cleaned first). Work per commit is bounded (no stall),
+and amortised it is O(records appended): a chunk is cleaned only when the log holds more dead
+records than live ones overall.
+
+Commit and upkeep. `commit()` does only what a reply must wait for: it packs the buffered
+records and inserts them as a chunk (usually one INSERT, atomic without BEGIN). Everything else
+is upkeep, in `tidy()`, which the daemon runs once the iteration's replies are flushed, so that
+no reply waits for it: bringing `chunk_of` up to date with the commits since the last call, a
+compaction step if one is due, and WAL checkpoints. SQLite's automatic checkpoint would run
+inside the commit that crosses its threshold, and a checkpoint fsyncs the WAL and then the
+database file, 3-10 ms each on the bench machine's disk: tidy() checkpoints once about
+CHECKPOINT_NBYTES were written (4 MiB, SQLite's own default size), and SQLite's checkpoint only
+backs it up, at twice that. A larger threshold would not lower the amortised cost, since an
+fsync's time grows with the bytes it flushes (commit + upkeep at batch 16: 40.5 us mean wall at
+4 MiB, 39.5 us at 16 MiB), only lengthen the stall (10 ms max, against 34-37 ms at 16 MiB;
+bench/recovery.py's commit table).
 
 Write rule (what makes recovery trustworthy):
   * a seal is acknowledged only after its record is committed -- otherwise a client could be
     told "sealed" for a block that recovery would not restore. The daemon holds every reply of
-    a loop iteration until the iteration's one commit returns (a group commit);
+    a loop iteration until the iteration's one commit returns (a group commit); the upkeep
+    after it writes nothing a reply depends on;
   * an eviction's tombstone needs no commit of its own: it rides along with the next seal's
     commit (or a clean `kvd stop --keep`). If the daemon dies first, the block's row survives
     but the eviction already bumped the block's generation in shared memory -- before its id
     reached a new owner -- so recovery drops the row (generation check) instead of restoring
     the new owner's bytes under the old hash. This halves the commits of a warm cache, where
     every allocation evicts.
-Within one commit, tombstones precede seals, and a block sealed and evicted since the last
-commit leaves only its tombstone.
+Within one commit, tombstones precede seals; a block sealed and evicted since the last commit
+leaves only its tombstone, and a block evicted and sealed again only its new SEAL record (which
+supersedes the old one in the same atomic commit: a warm cache's allocation evicts the very
+blocks its owner then seals, so this drops most tombstones).
 
 Only indexed seals are journaled: unsealed (OWNED) blocks and private duplicates die with their
 sessions anyway, and old sessions' pins are dropped on recovery -- every restored block is CACHED.
@@ -77,10 +94,10 @@ mid-compaction (inside a compaction step's transaction, before it commits).
 `KVD_JOURNAL_FAIL_FILE=<path>` (read when a Journal opens) makes every journal write fail while
 that file exists.
 
-A failed commit puts the daemon in fail-closed mode: it refuses allocations and seals with a
-JOURNAL error (lookups, reads and releases go on), and about once a second tries to rewrite the
-whole index; the first rewrite that succeeds ends the mode. A failed write also makes the journal
-forget its in-memory view of the log; the next write rebuilds it from the database.
+A failed commit or upkeep puts the daemon in fail-closed mode: it refuses allocations and seals
+with a JOURNAL error (lookups, reads and releases go on), and about once a second tries to rewrite
+the whole index; the first rewrite that succeeds ends the mode. A failed write also makes the
+journal forget its in-memory view of the log; the next write rebuilds it from the database.
 """
 
 from __future__ import annotations
@@ -132,7 +149,7 @@ DEFAULT_KEY_WIDTH = 16  # kvd.hash_blocks: chunks of tombstones only use it too,
 MAX_CHUNK_RECORDS = 4096
 COMPACT_BUDGET = 1024  # records a compaction step cleans at least (whole chunks, oldest first)
 PAGE_NBYTES = 4096  # SQLite's default page size
-CHECKPOINT_NBYTES = 16 << 20  # WAL bytes that make tidy() checkpoint (module docstring)
+CHECKPOINT_NBYTES = 4 << 20  # WAL bytes that make tidy() checkpoint (module docstring)
 _CHUNK = tuple[int, int]  # (chunk id, number of records)
 _SealRow = tuple[int, bytes, int, int, int, int]  # block_id, key, generation, parent, pgen, tier
 
@@ -378,8 +395,8 @@ class Journal:
             raise sqlite3.DataError(f"a key of {key_width} bytes: the journal keeps at most "
                                     f"{MAX_KEY_NBYTES}")
         records = list(map(_tombstone_struct(key_width).pack, evictions, repeat(EVICT)))
-        # A loop over the rows: transposing them for map() cost more than it saved (16 seals:
-        # 2.4 us against 4.2, /tmp timeit).
+        # A loop over the rows: transposing them to map() the packing over columns costs more
+        # than the loop.
         pack = _record_struct(key_width).pack
         records += [pack(seal_seq, generation, parent_generation, block_id, parent, SEAL, tier,
                          len(key), key)

@@ -388,6 +388,7 @@ def bench_seal_throughput(seconds: float, batch_sizes: tuple[int, ...] = BATCH_S
 def bench_seal_scenario(scenario: str, seconds: float, batch_sizes: tuple[int, ...],
                         num_rounds: int) -> dict:
     num_blocks = SEAL_POOL_BLOCKS[scenario]
+    os.sync()  # the writeback of what ran before (a 1M-block journal) must not slow this one's
     names = {"journal": f"bench-seal-j-{uuid.uuid4().hex[:8]}",
              "no_journal": f"bench-seal-n-{uuid.uuid4().hex[:8]}"}
     procs = {mode: start_cli(name, num_blocks, *(["--no-journal"] if mode == "no_journal"
@@ -437,6 +438,7 @@ def bench_commit_cost(seconds: float, batch_sizes: tuple[int, ...] = BATCH_SIZES
     from kvd.pool import BlockPool
 
     rows = {}
+    os.sync()  # the writeback of what ran before (a 1M-block journal) must not slow this part's
     for batch_size in batch_sizes:
         progress(f"commit cost in-process, batch {batch_size} ...")
         with tempfile.TemporaryDirectory() as state_dir:

@@ -456,7 +456,7 @@ class Daemon:
     def _tidy_journal(self) -> None:
         try:
             self.journal.tidy()
-        except JournalError as exc:  # no reply depends on it, but the next commit would fail
+        except JournalError as exc:  # no reply depends on it, but the disk is failing writes
             self._journal_failed(exc)
 
     def _journal_failed(self, exc: JournalError) -> None:

@@ -20,8 +20,9 @@ is 32 MiB and only metadata is measured.
 
 Commit cost. In this process, a full pool of 65,536 blocks churned through a Journal (no
 sockets): CPU and wall time per commit at batch 1, 16 and 256 in the steady state (every
-allocation evicts, the log as long as compaction lets it grow); the max wall time is the longest
-stall a commit (with its compaction step) caused.
+allocation evicts, the log as long as compaction lets it grow), and of the upkeep after it
+(Journal.tidy: compaction steps and WAL checkpoints, which the daemon runs once the replies are
+out); the mean wall time of both is what a commit costs amortised, the max the longest stall.
 
 Seal throughput. Two real daemons side by side, one journaled and one `--no-journal`, in two
 scenarios (SEAL_POOL_BLOCKS): a fresh pool that never evicts, and a full one where every
@@ -39,6 +40,8 @@ hits both alike):
     would lose).
 
     python -m bench.recovery [--num-blocks 1000000] [--repeats 3] [--seconds 1.0] [--out DIR]
+                             [--parts recovery,commits,seal] [--batch-sizes 1,16,256]
+                             [--rounds 10]
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ GEOMETRY = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "block_size": 1,
 CLI_GEOMETRY = ["--layers", "1", "--kv-heads", "1", "--head-dim", "8", "--block-size", "1",
                 "--dtype", "float16"]
 BATCH_SIZES = (1, 16, 256)
+PARTS = ("recovery", "commits", "seal")
 COMMIT_EVERY = 65_536
 OWNER = 1
 GOAL_RECOVERY_S = 2.0
@@ -100,6 +104,7 @@ def child_fill(name: str, num_blocks: int) -> None:
         chunk = block_ids[start:start + COMMIT_EVERY]
         pool.seal(chunk, digests(start, len(chunk)), OWNER)
         journal.commit()
+        journal.tidy()
     pool.release(block_ids, OWNER)
     num_churned = churn(pool, journal, first_key=num_blocks)
     print(json.dumps({"fill_s": time.perf_counter() - started, "num_churned": num_churned,
@@ -113,14 +118,16 @@ def churn(pool, journal, first_key: int, num_rounds_compacting: int = 4) -> int:
     reads. Returns how many blocks were sealed."""
     num_sealed, batch_size = 0, min(COMMIT_EVERY, pool.num_blocks // 4)
     while num_rounds_compacting:
-        num_records, num_evictions = journal.num_log_records, pool.counters["evictions"]
+        num_records = journal.num_log_records
         block_ids = pool.allocate(batch_size, OWNER)
         pool.seal(block_ids, digests(first_key + num_sealed, len(block_ids)), OWNER)
         journal.commit()
+        journal.tidy()
         pool.release(block_ids, OWNER)
         num_sealed += len(block_ids)
-        num_appended = pool.counters["evictions"] - num_evictions + len(block_ids)
-        if journal.num_log_records < num_records + num_appended:  # it compacted
+        # A commit appends a record per seal (and a tombstone per eviction of a block not
+        # sealed again): a log grown by less was compacted.
+        if journal.num_log_records < num_records + len(block_ids):
             num_rounds_compacting -= 1
     return num_sealed
 
@@ -301,10 +308,17 @@ def seal_worker(index: int, names: dict[str, str], conn) -> None:
 
 
 def process_cpu_s(pid: int) -> float:
-    """CPU seconds the (single-threaded) process `pid` has run so far, to the nanosecond
-    (/proc/PID/stat's ticks are 10 ms: too coarse for a 0.2 s round)."""
-    with open(f"/proc/{pid}/schedstat") as file:
-        return int(file.read().split()[0]) / 1e9
+    """CPU seconds every live thread of process `pid` has run so far, to the nanosecond
+    (/proc/PID/stat's ticks are 10 ms: too coarse for a 0.2 s round; /proc/PID/schedstat
+    counts the main thread only, and the journaled daemon commits in a thread of its own)."""
+    total_ns = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as file:
+                total_ns += int(file.read().split()[0])
+        except FileNotFoundError:
+            pass  # the thread ended meanwhile
+    return total_ns / 1e9
 
 
 class SealBench:
@@ -363,15 +377,19 @@ def summarise(samples: dict[str, list[dict[str, float]]]) -> dict:
     return row
 
 
-def bench_seal_throughput(seconds: float, num_rounds: int = 10) -> dict:
+def bench_seal_throughput(seconds: float, batch_sizes: tuple[int, ...] = BATCH_SIZES,
+                          num_rounds: int = 10) -> dict:
     """Both scenarios (SEAL_POOL_BLOCKS), each with a fresh pair of daemons."""
     return {"goal_cost_at_16": GOAL_JOURNAL_COST,
-            "scenarios": {scenario: bench_seal_scenario(scenario, seconds, num_rounds)
+            "scenarios": {scenario: bench_seal_scenario(scenario, seconds, batch_sizes,
+                                                        num_rounds)
                           for scenario in SEAL_POOL_BLOCKS}}
 
 
-def bench_seal_scenario(scenario: str, seconds: float, num_rounds: int) -> dict:
+def bench_seal_scenario(scenario: str, seconds: float, batch_sizes: tuple[int, ...],
+                        num_rounds: int) -> dict:
     num_blocks = SEAL_POOL_BLOCKS[scenario]
+    os.sync()  # the writeback of what ran before (a 1M-block journal) must not slow this one's
     names = {"journal": f"bench-seal-j-{uuid.uuid4().hex[:8]}",
              "no_journal": f"bench-seal-n-{uuid.uuid4().hex[:8]}"}
     procs = {mode: start_cli(name, num_blocks, *(["--no-journal"] if mode == "no_journal"
@@ -386,7 +404,7 @@ def bench_seal_scenario(scenario: str, seconds: float, num_rounds: int) -> dict:
             for client in bench.clients.values():
                 seal_round(client, 4096, 0.0, [1 << 60], num_rounds=num_blocks // 4096)
         rows: dict[str, dict] = {"1_client": {}, f"{NUM_CLIENTS}_clients": {}}
-        for batch_size in BATCH_SIZES:
+        for batch_size in batch_sizes:
             progress(f"seal throughput, {scenario} pool, batch {batch_size} ...")
             one: dict[str, list] = {mode: [] for mode in names}
             many: dict[str, list] = {mode: [] for mode in names}
@@ -410,15 +428,19 @@ def bench_seal_scenario(scenario: str, seconds: float, num_rounds: int) -> dict:
 
 
 # ---- commit cost in-process ----------------------------------------------------------------
-def bench_commit_cost(seconds: float, num_blocks: int = 65_536) -> dict:
+def bench_commit_cost(seconds: float, batch_sizes: tuple[int, ...] = BATCH_SIZES,
+                      num_blocks: int = 65_536) -> dict:
     """A full pool churned through the journal in this process (no sockets): CPU and wall time
-    of each commit of a round's evictions and seals, in the steady state where the log is as
-    long as compaction lets it grow; max wall is the longest stall a commit caused."""
+    of each commit of a round's evictions and seals (what a seal's reply waits for) and of the
+    upkeep after it (compaction steps, WAL checkpoints: what the daemon does once the replies
+    are out), in the steady state where the log is as long as compaction lets it grow; max wall
+    is the longest stall a commit and its upkeep caused together."""
     from kvd.journal import Journal
     from kvd.pool import BlockPool
 
     rows = {}
-    for batch_size in BATCH_SIZES:
+    os.sync()  # the writeback of what ran before (a 1M-block journal) must not slow this part's
+    for batch_size in batch_sizes:
         progress(f"commit cost in-process, batch {batch_size} ...")
         with tempfile.TemporaryDirectory() as state_dir:
             journal = Journal(state_dir)
@@ -427,6 +449,7 @@ def bench_commit_cost(seconds: float, num_blocks: int = 65_536) -> dict:
             for start in range(0, num_blocks, 4096):
                 pool.seal(block_ids[start:start + 4096], digests(start, 4096), OWNER)
                 journal.commit()
+                journal.tidy()
             pool.release(block_ids, OWNER)
             next_key = num_blocks + churn(pool, journal, first_key=num_blocks)
             rows[str(batch_size)] = time_commits(pool, journal, batch_size, seconds, next_key)
@@ -435,28 +458,47 @@ def bench_commit_cost(seconds: float, num_blocks: int = 65_536) -> dict:
 
 
 def time_commits(pool, journal, batch_size: int, seconds: float, next_key: int) -> dict:
-    cpu_ns, wall_ns = [], []
+    cpu_ns, wall_ns, tidy_cpu_ns, total_wall_ns = [], [], [], []
+    cpu_clock, wall_clock = time.thread_time_ns, time.perf_counter_ns
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         block_ids = pool.allocate(batch_size, OWNER)
         pool.seal(block_ids, digests(next_key, batch_size), OWNER)
         next_key += batch_size
-        cpu, wall = time.thread_time_ns(), time.perf_counter_ns()
+        cpu, wall = cpu_clock(), wall_clock()
         journal.commit()
-        cpu_ns.append(time.thread_time_ns() - cpu)
-        wall_ns.append(time.perf_counter_ns() - wall)
+        tidy_cpu, tidy_wall = cpu_clock(), wall_clock()
+        journal.tidy()
+        done_cpu, done_wall = cpu_clock(), wall_clock()
+        cpu_ns.append(tidy_cpu - cpu)
+        wall_ns.append(tidy_wall - wall)
+        tidy_cpu_ns.append(done_cpu - tidy_cpu)
+        total_wall_ns.append(done_wall - wall)
         pool.release(block_ids, OWNER)
     wall_ns.sort()
     return {"num_commits": len(cpu_ns), "cpu_us": statistics.mean(cpu_ns) / 1e3,
             "wall_us_p50": wall_ns[len(wall_ns) // 2] / 1e3,
             "wall_us_p99": wall_ns[len(wall_ns) * 99 // 100] / 1e3,
-            "wall_us_max": wall_ns[-1] / 1e3,
+            "tidy_cpu_us": statistics.mean(tidy_cpu_ns) / 1e3,
+            "total_wall_us_mean": statistics.mean(total_wall_ns) / 1e3,
+            "total_wall_us_max": max(total_wall_ns) / 1e3,
             "num_log_records": journal.num_log_records, "num_live": pool.num_cached}
 
 
 # ---- driver ---------------------------------------------------------------------------------
 def print_tables(results: dict) -> None:
-    rec = results["recovery"]
+    if "recovery" in results:
+        print_recovery_table(results["recovery"])
+    if "commits" in results:
+        print_commit_table(results["commits"])
+    for scenario, result in results.get("seal", {}).get("scenarios", {}).items():
+        print(f"\nSeal throughput, {scenario} pool of {result['num_blocks']:,} blocks (goal: "
+              f"journal cost <= {results['seal']['goal_cost_at_16']:.0%} at batch 16), medians "
+              "of rounds; cost = what the journal takes off")
+        print_seal_table(result["clients"])
+
+
+def print_recovery_table(rec: dict) -> None:
     print(f"\nRecovery of a {rec['num_blocks']:,}-block pool after SIGKILL "
           f"(goal <= {rec['goal_s']} s; fill took {rec['fill_s']:.1f} s). The journal's log "
           f"holds {rec['num_log_records']:,} records ({rec['num_churned']:,} blocks replaced "
@@ -469,20 +511,19 @@ def print_tables(results: dict) -> None:
         print(f"{index:>3} " + " ".join(
             f"{row[c]:8.3f} ({row[c[:-2] + '_cpu_s']:6.3f})" if c[:-2] + "_cpu_s" in row
             else f"{row[c]:17.3f}" for c in columns))
-    commits = results["commits"]
+
+
+def print_commit_table(commits: dict) -> None:
     print(f"\nOne commit in-process (no sockets), a full pool of {commits['num_blocks']:,} blocks "
           "churned: each allocation evicts, so a commit holds a round's tombstones and seals")
-    print(f"{'batch':>5} {'CPU us':>8} {'wall p50':>9} {'p99':>7} {'max us':>8} {'log/live':>9}")
+    print(f"{'':5} {'commit (replies wait)':>26} {'upkeep':>8} {'commit + upkeep':>18}")
+    print(f"{'batch':>5} {'CPU us':>8} {'wall p50':>9} {'p99':>7} {'CPU us':>8} "
+          f"{'wall mean':>10} {'max us':>7} {'log/live':>9}")
     for batch, row in commits["batches"].items():
         print(f"{batch:>5} {row['cpu_us']:8.1f} {row['wall_us_p50']:9.1f} "
-              f"{row['wall_us_p99']:7.1f} {row['wall_us_max']:8.0f} "
+              f"{row['wall_us_p99']:7.1f} {row['tidy_cpu_us']:8.1f} "
+              f"{row['total_wall_us_mean']:10.1f} {row['total_wall_us_max']:7.0f} "
               f"{row['num_log_records'] / row['num_live']:9.2f}")
-    seal = results["seal"]
-    for scenario, result in seal["scenarios"].items():
-        print(f"\nSeal throughput, {scenario} pool of {result['num_blocks']:,} blocks (goal: "
-              f"journal cost <= {seal['goal_cost_at_16']:.0%} at batch 16), medians of rounds; "
-              "cost = what the journal takes off")
-        print_seal_table(result["clients"])
 
 
 def print_seal_table(clients: dict) -> None:
@@ -545,6 +586,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=1.0,
                         help="seal time per batch size and mode")
     parser.add_argument("--out", type=Path, help="directory to write recovery.json into")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated parts to run, of {','.join(PARTS)} (e.g. seal: "
+                             "only the seal throughput tables)")
+    parser.add_argument("--rounds", type=int, default=10,
+                        help="seal rounds per batch size and mode (more: steadier medians)")
+    parser.add_argument("--batch-sizes", default=",".join(map(str, BATCH_SIZES)),
+                        help="comma-separated batch sizes of the commit and seal parts")
     parser.add_argument("--child", nargs=3, metavar=("WHAT", "NAME", "NUM_BLOCKS"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -552,11 +600,19 @@ def main(argv: list[str] | None = None) -> None:
         what, name, num_blocks = args.child
         (child_fill if what == "fill" else child_recover)(name, int(num_blocks))
         return
+    parts = args.parts.split(",")
+    if not set(parts) <= set(PARTS):
+        parser.error(f"--parts takes some of {','.join(PARTS)}, got {args.parts}")
+    batch_sizes = tuple(int(size) for size in args.batch_sizes.split(","))
     base = private_dirs()
     try:
-        results = {"recovery": bench_recovery(args.num_blocks, args.repeats),
-                   "commits": bench_commit_cost(args.seconds),
-                   "seal": bench_seal_throughput(args.seconds)}
+        results = {}
+        if "recovery" in parts:
+            results["recovery"] = bench_recovery(args.num_blocks, args.repeats)
+        if "commits" in parts:
+            results["commits"] = bench_commit_cost(args.seconds, batch_sizes)
+        if "seal" in parts:
+            results["seal"] = bench_seal_throughput(args.seconds, batch_sizes, args.rounds)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print_tables(results)

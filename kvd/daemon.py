@@ -16,6 +16,11 @@ writes the pidfile. `serve_forever()` then multiplexes with `selectors`:
                        the socket, so EOF would come late or never — closes the session at once
     signal pipe        SIGTERM/SIGINT (set_wakeup_fd) stop the loop
 
+After each iteration's handlers (`serve_once`), the journal commits what they changed (one group
+commit), then every held reply goes out, then the idle work no reply waits for: the journal's
+upkeep (kvd/journal.py: compaction steps and WAL checkpoints) and, on a full pool, choosing the
+next victim ahead of the next allocation (kvd/pool.py).
+
 A connection is closed for framing errors (the byte stream is unsynchronised), when its peer
 dies, and when it lets more than MAX_OUTPUT_NBYTES of replies pile up unread. Closing releases the
 session's pins and frees its unsealed blocks (Service.close_session). Every other bad request gets
@@ -439,7 +444,8 @@ class Daemon:
         return request_id, reply, journal is not None and journal.num_seals_pending != num_seals
 
     def _commit_and_reply(self) -> None:
-        """Group commit: one journal transaction for the iteration, then every held reply goes out.
+        """Group commit: one journal transaction for the iteration, then every held reply goes
+        out, then the journal's upkeep (compaction, WAL checkpoints), which no reply waits for.
 
         A connection's replies are held (`_read`) while seals of this iteration are not yet
         committed, so that no client hears "sealed" before the seal is durable, and no reply
@@ -453,6 +459,8 @@ class Daemon:
             if connection.sock.fileno() in self._connections:
                 self._send_pending(connection, failure)
         self._replied.clear()
+        if self.journal is not None and self.service.write_error is None:
+            self._tidy_journal()
 
     def _send_pending(self, connection: Connection, failure: JournalError | None) -> None:
         """Send the connection's replies; `failure` replaces those that awaited a failed commit."""
@@ -498,13 +506,23 @@ class Daemon:
             elif journal.num_seals_pending:  # tombstones alone wait (kvd/journal.py)
                 journal.commit()
         except JournalError as exc:
-            if self.service.write_error is None:
-                log.error("%s; refusing allocations and seals until it recovers", exc)
-            self.service.counters["journal_failures"] += 1
-            self.service.write_error = str(exc)
-            self._next_journal_retry = time.monotonic() + 1.0
+            self._journal_failed(exc)
             return exc
         return None
+
+    def _tidy_journal(self) -> None:
+        try:
+            self.journal.tidy()
+        except JournalError as exc:  # no reply depends on it, but the disk is failing writes
+            self._journal_failed(exc)
+
+    def _journal_failed(self, exc: JournalError) -> None:
+        """Fail closed: refuse allocations and seals, retry a full rewrite in a second."""
+        if self.service.write_error is None:
+            log.error("%s; refusing allocations and seals until it recovers", exc)
+        self.service.counters["journal_failures"] += 1
+        self.service.write_error = str(exc)
+        self._next_journal_retry = time.monotonic() + 1.0
 
     def _on_shutdown(self, keep: bool) -> None:
         self.stop(keep=keep)

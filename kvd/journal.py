@@ -46,26 +46,43 @@ under -- a parent block evicted and reused for other content is never mistaken f
 Compaction keeps the log, and so recovery, bounded. Superseded SEAL records and tombstones are
 dead weight; the journal knows in memory which chunk holds each block's live SEAL record
 (`_LogState.chunk_of`). Whenever the log holds more than `compact_factor` x live records +
-`min_compact_records`, each commit also *cleans* the oldest chunks, about max(COMPACT_BUDGET,
-2 x appended) records' worth, in its own transaction: live records are copied verbatim to new
-chunks at the tail and the cleaned chunks deleted. This never changes what replay yields: a moved
-record is its block's last record and stays so (it was live), its seal_seq keeps the seal order,
-and a dropped tombstone has no older record of its block left (those sit in the same or older
-chunks, cleaned first). Work per commit is bounded (no stall), and amortised it is O(records
-appended): a chunk is cleaned only when the log holds more dead records than live ones overall.
+`min_compact_records`, the upkeep after each commit also *cleans* the oldest chunks, about
+max(COMPACT_BUDGET, 2 x appended) records' worth, in its own transaction: live records are
+copied verbatim to new chunks at the tail and the cleaned chunks deleted. This never changes what
+replay yields: a moved record is its block's last record and stays so (it was live), its
+seal_seq keeps the seal order, and a dropped tombstone has no older record of its block left
+(those sit in the same or older chunks, cleaned first). Work per commit is bounded (no stall),
+and amortised it is O(records appended): a chunk is cleaned only when the log holds more dead
+records than live ones overall.
+
+Commit and upkeep. `commit()` does only what a reply must wait for: it packs the buffered
+records and inserts them as a chunk (usually one INSERT, atomic without BEGIN). Everything else
+is upkeep, in `tidy()`, which the daemon runs once the iteration's replies are flushed, so that
+no reply waits for it: bringing `chunk_of` up to date with the commits since the last call, a
+compaction step if one is due, and WAL checkpoints. SQLite's automatic checkpoint would run
+inside the commit that crosses its threshold, and a checkpoint fsyncs the WAL and then the
+database file, 3-10 ms each on the bench machine's disk: tidy() checkpoints once about
+CHECKPOINT_NBYTES were written (4 MiB, SQLite's own default size), and SQLite's checkpoint only
+backs it up, at twice that. A larger threshold would not lower the amortised cost, since an
+fsync's time grows with the bytes it flushes (commit + upkeep at batch 16: 40.5 us mean wall at
+4 MiB, 39.5 us at 16 MiB), only lengthen the stall (10 ms max, against 34-37 ms at 16 MiB;
+bench/recovery.py's commit table).
 
 Write rule (what makes recovery trustworthy):
   * a seal is acknowledged only after its record is committed -- otherwise a client could be
     told "sealed" for a block that recovery would not restore. The daemon holds every reply of
-    a loop iteration until the iteration's one commit returns (a group commit);
+    a loop iteration until the iteration's one commit returns (a group commit); the upkeep
+    after it writes nothing a reply depends on;
   * an eviction's tombstone needs no commit of its own: it rides along with the next seal's
     commit (or a clean `kvd stop --keep`). If the daemon dies first, the block's row survives
     but the eviction already bumped the block's generation in shared memory -- before its id
     reached a new owner -- so recovery drops the row (generation check) instead of restoring
     the new owner's bytes under the old hash. This halves the commits of a warm cache, where
     every allocation evicts.
-Within one commit, tombstones precede seals, and a block sealed and evicted since the last
-commit leaves only its tombstone.
+Within one commit, tombstones precede seals; a block sealed and evicted since the last commit
+leaves only its tombstone, and a block evicted and sealed again only its new SEAL record (which
+supersedes the old one in the same atomic commit: a warm cache's allocation evicts the very
+blocks its owner then seals, so this drops most tombstones).
 
 Only indexed seals are journaled: unsealed (OWNED) blocks and private duplicates die with their
 sessions anyway, and old sessions' pins are dropped on recovery -- every restored block is CACHED.
@@ -77,10 +94,10 @@ mid-compaction (inside a compaction step's transaction, before it commits).
 `KVD_JOURNAL_FAIL_FILE=<path>` (read when a Journal opens) makes every journal write fail while
 that file exists.
 
-A failed commit puts the daemon in fail-closed mode: it refuses allocations and seals with a
-JOURNAL error (lookups, reads and releases go on), and about once a second tries to rewrite the
-whole index; the first rewrite that succeeds ends the mode. A failed write also makes the journal
-forget its in-memory view of the log; the next write rebuilds it from the database.
+A failed commit or upkeep puts the daemon in fail-closed mode: it refuses allocations and seals
+with a JOURNAL error (lookups, reads and releases go on), and about once a second tries to rewrite
+the whole index; the first rewrite that succeeds ends the mode. A failed write also makes the
+journal forget its in-memory view of the log; the next write rebuilds it from the database.
 """
 
 from __future__ import annotations
@@ -131,6 +148,8 @@ DEFAULT_KEY_WIDTH = 16  # kvd.hash_blocks: chunks of tombstones only use it too,
 # are 200 KiB, a fraction of a millisecond to decode and rewrite.
 MAX_CHUNK_RECORDS = 4096
 COMPACT_BUDGET = 1024  # records a compaction step cleans at least (whole chunks, oldest first)
+PAGE_NBYTES = 4096  # SQLite's default page size
+CHECKPOINT_NBYTES = 4 << 20  # WAL bytes that make tidy() checkpoint (module docstring)
 _CHUNK = tuple[int, int]  # (chunk id, number of records)
 _SealRow = tuple[int, bytes, int, int, int, int]  # block_id, key, generation, parent, pgen, tier
 
@@ -143,6 +162,12 @@ def _record_dtype(key_width: int) -> np.dtype:
 @cache
 def _record_struct(key_width: int) -> struct.Struct:
     return struct.Struct(f"<QQQiiBBB{key_width}s")
+
+
+@cache
+def _tombstone_struct(key_width: int) -> struct.Struct:
+    """A record with only block_id and kind set: two arguments to pack instead of nine."""
+    return struct.Struct(f"<24xi4xB{2 + key_width}x")
 
 
 def _inject_failure(fail_file: str | None) -> None:
@@ -172,6 +197,17 @@ class _LogState:
         self.num_live = 0
         self.seal_seq = 0  # the last seal_seq handed out
         self.next_chunk_id = 1
+        # Commits not yet reflected in chunk_of and num_live: (first chunk id, evicted block
+        # ids, sealed block ids), applied by settle() so that no reply waits for them.
+        self.unsettled: list[tuple[int, Sequence[int], Sequence[int]]] = []
+        self.num_appended = 0  # records appended by commits since the last upkeep
+
+    def settle(self) -> None:
+        """Bring `chunk_of` and `num_live` up to date with every commit so far."""
+        for first_chunk_id, evictions, block_ids in self.unsettled:
+            self.forget(evictions)
+            self.place(block_ids, first_chunk_id, first_position=len(evictions))
+        self.unsettled.clear()
 
     def forget(self, block_ids: Sequence[int]) -> None:
         """The blocks' live records (if any) are dead: tombstones were appended for them."""
@@ -180,6 +216,16 @@ class _LogState:
             if block_id < size and chunk_of[block_id]:
                 chunk_of[block_id] = 0
                 self.num_live -= 1
+
+    def place(self, block_ids: Sequence[int], first_chunk_id: int, first_position: int) -> None:
+        """Point `chunk_of` at the chunks holding these blocks' records, which start at record
+        `first_position` of chunk `first_chunk_id`."""
+        self.reserve(max(block_ids, default=-1))
+        chunk_of, num_live = self.chunk_of, self.num_live
+        for position, block_id in enumerate(block_ids, first_position):
+            num_live += not chunk_of[block_id]
+            chunk_of[block_id] = first_chunk_id + position // MAX_CHUNK_RECORDS
+        self.num_live = num_live
 
     def reserve(self, max_block_id: int) -> None:
         """Make room in `chunk_of` for blocks up to `max_block_id`."""
@@ -219,15 +265,19 @@ class Journal:
             self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
+            # SQLite's own checkpoint runs inside the commit that crosses its threshold, on a
+            # reply's path: tidy() checkpoints first; this one is only a backstop.
+            self._db.execute(f"PRAGMA wal_autocheckpoint={2 * CHECKPOINT_NBYTES // PAGE_NBYTES}")
             self._db.executescript(_SCHEMA)
         except sqlite3.Error as exc:
             raise JournalError(f"cannot open the journal {self.path}: {exc}") from None
         os.chmod(self.path, 0o600)
+        self._cursor = self._db.cursor()  # reused: conn.execute() makes a cursor per call
+        self._num_wal_nbytes = 0  # about what the WAL holds since the last checkpoint
         # Pending seals by block id: an eviction of a block sealed since the last commit drops
         # its seal here (tombstones are written first, so a buffered seal would outlive it).
         self._seals: dict[int, _SealRow] = {}
         self._evictions: list[int] = []
-        self._num_pending = 0
         self._num_seals_pending = 0
         self._log: _LogState | None = None  # None: unknown, rebuilt from the database when needed
 
@@ -235,19 +285,17 @@ class Journal:
     def sealed(self, block_id: int, key: Any, generation: int, parent: int,
                parent_generation: int, tier: int) -> None:
         self._seals[block_id] = (block_id, key, generation, parent, parent_generation, tier)
-        self._num_pending += 1
         self._num_seals_pending += 1
 
     def evicted(self, block_id: int) -> None:
         failpoint("mid-eviction")
         self._seals.pop(block_id, None)
         self._evictions.append(block_id)
-        self._num_pending += 1
 
     # ---- committing ------------------------------------------------------------------------
     @property
     def is_dirty(self) -> bool:
-        return self._num_pending > 0
+        return self.num_pending > 0
 
     @property
     def num_seals_pending(self) -> int:
@@ -257,7 +305,7 @@ class Journal:
     @property
     def num_pending(self) -> int:
         """Changes buffered since the last commit (grows whenever a handler touched the index)."""
-        return self._num_pending
+        return self._num_seals_pending + len(self._evictions)
 
     @property
     def num_log_records(self) -> int:
@@ -265,23 +313,38 @@ class Journal:
         return self._log_state().num_records
 
     def commit(self) -> None:
-        """Write every buffered change in one transaction, then clean the log's oldest chunks
-        if it is due (in a second one). Raises JournalError on failure."""
-        if not self.is_dirty:
+        """Write every buffered change in one transaction: the durable step that replies wait
+        for (the rest waits for `tidy()`). Raises JournalError on failure."""
+        if not self._num_seals_pending and not self._evictions:
             return
-        evictions, seals = self._evictions, list(self._seals.values())
+        pending = self._seals
+        # A block evicted, then sealed again, needs no tombstone: its new SEAL record follows in
+        # the same commit and supersedes the old one by itself. A warm cache's allocation evicts
+        # the very blocks its owner then seals, so this drops most tombstones.
+        evictions = [block_id for block_id in self._evictions if block_id not in pending]
+        seals = list(pending.values())
         self._clear_pending()
         failpoint("before-commit")
         # Usually one chunk: a single INSERT is atomic by itself, and BEGIN/COMMIT round trips
         # cost ~5 us in the daemon (whose loop leaves SQLite's code cache-cold).
-        is_one_chunk = len(evictions) + len(seals) <= MAX_CHUNK_RECORDS
-        num_appended = self._transaction(
-            lambda: self._append(self._log_state(), evictions, seals), is_atomic=is_one_chunk)
+        self._transaction(lambda: self._append(self._log_state(), evictions, seals),
+                          is_atomic=len(evictions) + len(seals) <= MAX_CHUNK_RECORDS)
         failpoint("after-commit-before-reply")
+
+    def tidy(self) -> None:
+        """Upkeep that no reply waits for (the daemon runs it once the commit's replies are
+        out): bring the view of the log up to date, clean its oldest chunks if compaction is
+        due (in a transaction of its own) and checkpoint the WAL if due. Raises JournalError on
+        failure."""
         log = self._log
-        if log.is_compaction_due(self.compact_factor, self.min_compact_records):
-            budget = max(self.compact_budget, 2 * num_appended)
-            self._transaction(lambda: self._compact(log, budget))
+        if log is not None and log.num_appended:  # else nothing changed since the last call
+            log.settle()
+            num_appended, log.num_appended = log.num_appended, 0
+            if log.is_compaction_due(self.compact_factor, self.min_compact_records):
+                budget = max(self.compact_budget, 2 * num_appended)
+                self._transaction(lambda: self._compact(log, budget))
+        if self._num_wal_nbytes >= CHECKPOINT_NBYTES:
+            self._transaction(self._checkpoint, is_atomic=True)
 
     def rewrite(self, rows: Sequence[_SealRow]) -> None:
         """Replace every row with `rows` — (block_id, key, generation, parent, parent_generation,
@@ -293,22 +356,21 @@ class Journal:
         self._log = fresh
 
     def _clear_pending(self) -> None:
-        self._seals, self._evictions, self._num_pending = {}, [], 0
-        self._num_seals_pending = 0
+        self._seals, self._evictions, self._num_seals_pending = {}, [], 0
 
-    def _transaction(self, body: Any, is_atomic: bool = False) -> Any:
-        """Run `body` in a transaction and return what it returns; JournalError if it fails.
+    def _transaction(self, body: Any, is_atomic: bool = False) -> None:
+        """Run `body` in a transaction; JournalError if it fails.
 
         is_atomic: `body` makes one write, which SQLite commits atomically without BEGIN.
         """
         try:
             _inject_failure(self._fail_file)
             if is_atomic:
-                return body()
-            self._db.execute("BEGIN")
-            result = body()
-            self._db.execute("COMMIT")
-            return result
+                body()
+                return
+            self._cursor.execute("BEGIN")
+            body()
+            self._cursor.execute("COMMIT")
         except sqlite3.Error as exc:
             self._rollback()
             self._log = None  # it may have seen changes that were rolled back
@@ -320,49 +382,42 @@ class Journal:
         except sqlite3.Error:
             pass  # no transaction was open: nothing to undo
 
+    def _checkpoint(self) -> None:
+        """Copy the WAL into the database; the next write starts the WAL over."""
+        self._cursor.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        self._num_wal_nbytes = 0
+
     # ---- the log ---------------------------------------------------------------------------
-    def _append(self, log: _LogState, evictions: Sequence[int], seals: Sequence[_SealRow]) -> int:
-        """Append tombstones, then seals, as new chunks; returns how many records."""
-        log.forget(evictions)
-        block_ids, keys, generations, parents, parent_generations, tiers = \
-            zip(*seals) if seals else ((),) * 6
-        key_width = max(map(len, keys), default=DEFAULT_KEY_WIDTH)
+    def _append(self, log: _LogState, evictions: Sequence[int], seals: Sequence[_SealRow]) -> None:
+        """Append tombstones, then seals, as new chunks (`chunk_of` follows in settle())."""
+        key_width = max([len(row[1]) for row in seals], default=DEFAULT_KEY_WIDTH)
         if key_width > MAX_KEY_NBYTES:
             raise sqlite3.DataError(f"a key of {key_width} bytes: the journal keeps at most "
                                     f"{MAX_KEY_NBYTES}")
-        pack, zeros = _record_struct(key_width).pack, repeat(0)
-        # map() over columns packs in C: half the cost of a Python loop (bench/recovery.py).
-        records = list(map(pack, zeros, zeros, zeros, evictions, zeros, repeat(EVICT), zeros,
-                           zeros, repeat(b"")))
-        seal_seqs = range(log.seal_seq + 1, log.seal_seq + 1 + len(seals))
-        records += map(pack, seal_seqs, generations, parent_generations, block_ids, parents,
-                       repeat(SEAL), tiers, map(len, keys), keys)
+        records = list(map(_tombstone_struct(key_width).pack, evictions, repeat(EVICT)))
+        # A loop over the rows: transposing them to map() the packing over columns costs more
+        # than the loop.
+        pack = _record_struct(key_width).pack
+        records += [pack(seal_seq, generation, parent_generation, block_id, parent, SEAL, tier,
+                         len(key), key)
+                    for seal_seq, (block_id, key, generation, parent, parent_generation, tier)
+                    in enumerate(seals, log.seal_seq + 1)]
+        log.unsettled.append((log.next_chunk_id, evictions, [row[0] for row in seals]))
         log.seal_seq += len(seals)
-        self._place(log, block_ids, first_position=len(evictions))
+        log.num_appended += len(records)
         self._write_chunks(log, key_width, [b"".join(records[start:start + MAX_CHUNK_RECORDS])
                                             for start in range(0, len(records),
                                                                MAX_CHUNK_RECORDS)])
-        return len(records)
-
-    @staticmethod
-    def _place(log: _LogState, block_ids: Sequence[int], first_position: int) -> None:
-        """Point `chunk_of` at the chunks about to hold these blocks' records, which start at
-        record `first_position` of the next chunk."""
-        log.reserve(max(block_ids, default=-1))
-        chunk_of, first_chunk_id, num_live = log.chunk_of, log.next_chunk_id, log.num_live
-        for position, block_id in enumerate(block_ids, first_position):
-            num_live += not chunk_of[block_id]
-            chunk_of[block_id] = first_chunk_id + position // MAX_CHUNK_RECORDS
-        log.num_live = num_live
 
     def _write_chunks(self, log: _LogState, key_width: int, blobs: list[bytes]) -> None:
         """Insert `blobs` as the next chunks, each of whole records of `key_width`."""
         record_nbytes = _HEADER_NBYTES + key_width
         for blob in blobs:  # one execute per chunk: cheaper than executemany for the usual one
-            self._db.execute(_INSERT_CHUNK, (log.next_chunk_id, key_width, blob))
+            self._cursor.execute(_INSERT_CHUNK, (log.next_chunk_id, key_width, blob))
             log.chunks.append((log.next_chunk_id, len(blob) // record_nbytes))
             log.num_records += len(blob) // record_nbytes
             log.next_chunk_id += 1
+            self._num_wal_nbytes += len(blob) + PAGE_NBYTES  # and the B-tree's last leaf page
 
     def _compact(self, log: _LogState, budget: int) -> None:
         """Clean the oldest chunks worth about `budget` records: keep their live records only."""

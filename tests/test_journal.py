@@ -91,6 +91,17 @@ def test_evicted_then_resealed_in_one_commit_keeps_the_new_row(journal):
     assert reopened(journal) == ([3], [b"new"])
 
 
+def test_a_block_evicted_then_resealed_in_one_commit_needs_no_tombstone(journal):
+    seal(journal, 3, b"old")
+    journal.commit()
+    journal.evicted(3)
+    seal(journal, 3, b"new")
+    journal.evicted(4)  # never journaled: its tombstone is written all the same
+    journal.commit()
+    assert journal.num_log_records == 3  # old, tombstone of 4, new
+    assert reopened(journal) == ([3], [b"new"])
+
+
 def test_sealed_then_evicted_in_one_commit_leaves_no_row(journal):
     # Regression: a client may pipeline seal + release while another allocation evicts the
     # block in the same loop iteration. The DELETEs ran before the INSERTs, so the row of an
@@ -227,7 +238,7 @@ class ChurnModel:
         self.num_changes = 0  # seals and evictions: about the records appended
 
     def step(self, journal: Journal) -> None:
-        """Buffer a few seals and evictions (like one loop iteration), then commit."""
+        """Buffer a few seals and evictions (like one loop iteration), commit, then tidy."""
         for _ in range(self.rng.randrange(1, 12)):
             self.num_changes += 1
             block_id = self.rng.randrange(self.num_blocks)
@@ -243,6 +254,7 @@ class ChurnModel:
                 journal.sealed(*row)
                 self.live[block_id] = row
         journal.commit()
+        journal.tidy()  # as the daemon does, once the commit's replies are out
 
     def expected(self) -> list[tuple]:
         return list(self.live.values())
@@ -316,6 +328,82 @@ def test_a_rewrite_then_a_failed_commit_leave_a_log_that_compacts_correctly(tmp_
         journal.close()
 
 
+class Untidy:
+    """A Journal whose upkeep never comes: steps of a ChurnModel only commit."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.journal, name)
+
+    def tidy(self) -> None:
+        pass
+
+
+def test_commit_leaves_compaction_to_tidy(tmp_path):
+    journal = Journal(tmp_path, **COMPACTING)
+    model = ChurnModel(seed=5)
+    try:
+        num_records = 0
+        for _ in range(60):  # commits only, as before a reply: the log just grows
+            model.step(Untidy(journal))
+            assert journal.num_log_records > num_records
+            num_records = journal.num_log_records
+        for _ in range(20):
+            journal.tidy()  # what the daemon runs once the replies are out
+        assert journal.num_log_records < num_records / 2
+        assert loaded(tmp_path) == model.expected()
+    finally:
+        journal.close()
+
+
+def wal_nbytes(journal: Journal) -> int:
+    wal = Path(f"{journal.path}-wal")
+    return wal.stat().st_size if wal.exists() else 0
+
+
+def test_tidy_checkpoints_the_wal_so_it_stays_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(journal_module, "CHECKPOINT_NBYTES", 256 << 10)  # read as journals open
+    keys = [i.to_bytes(16, "little") for i in range(4000)]
+
+    def churn(journal: Journal, tidy: bool) -> None:
+        for start in range(0, len(keys), 16):  # 250 commits of 16 seals: ~1 MiB of WAL frames
+            for block_id in range(start, start + 16):
+                seal(journal, block_id, keys[block_id])
+            journal.commit()
+            if tidy:
+                journal.tidy()
+
+    with contextlib.closing(Journal(tmp_path / "tidied")) as journal:
+        churn(journal, tidy=True)
+        assert wal_nbytes(journal) < 2 * journal_module.CHECKPOINT_NBYTES
+        assert len(on_disk(journal.state_dir).keys) == len(keys)
+    with contextlib.closing(Journal(tmp_path / "untidied")) as journal:
+        churn(journal, tidy=False)  # only SQLite's backstop checkpoints, at twice the size
+        assert wal_nbytes(journal) > 2 * journal_module.CHECKPOINT_NBYTES
+
+
+def test_a_failed_upkeep_raises_journal_error_and_loses_nothing(tmp_path, monkeypatch):
+    fail_file = tmp_path / "fail"
+    monkeypatch.setenv("KVD_JOURNAL_FAIL_FILE", str(fail_file))
+    journal = Journal(tmp_path / "state", **COMPACTING)
+    model = ChurnModel(seed=9)
+    try:
+        for _ in range(30):  # committed: the log grows past where compaction is due ...
+            model.step(Untidy(journal))
+        fail_file.touch()
+        with pytest.raises(JournalError, match="injected"):
+            journal.tidy()  # ... but its compaction step fails
+        assert loaded(tmp_path / "state") == model.expected()
+        fail_file.unlink()
+        for _ in range(100):  # the journal re-reads its log, then compacts it
+            model.step(journal)
+        assert loaded(tmp_path / "state") == model.expected()
+    finally:
+        journal.close()
+
+
 CRASHING_CHURN = """
 import json, sys
 sys.path.insert(0, {tests!r})
@@ -364,4 +452,7 @@ class NullJournal:
         pass
 
     def commit(self) -> None:
+        pass
+
+    def tidy(self) -> None:
         pass

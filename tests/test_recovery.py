@@ -621,6 +621,64 @@ def test_journal_failure_refuses_writes_serves_reads_and_heals(restartable, tmp_
     daemon.stop_cli()
 
 
+# The daemon checkpointing its WAL after every write, and the checkpoints failing while a file
+# exists: a fault in the upkeep that runs after the replies, which the fail file (it fails every
+# write) cannot single out.
+FAILING_UPKEEP = """
+import os, sqlite3, sys
+import kvd.journal
+from kvd.cli import main
+
+checkpoint = kvd.journal.Journal._checkpoint
+
+def failing_checkpoint(journal):
+    if os.path.exists({fail_file!r}):
+        raise sqlite3.OperationalError("disk I/O error (checkpoint failure injected by the test)")
+    checkpoint(journal)
+
+kvd.journal.CHECKPOINT_NBYTES = 1
+kvd.journal.Journal._checkpoint = failing_checkpoint
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_failed_upkeep_keeps_the_acknowledged_seal_and_fails_closed(restartable, tmp_path):
+    daemon = restartable()
+    fail_file = tmp_path / "upkeep-fails"
+    command = [sys.executable, "-c", FAILING_UPKEEP.format(fail_file=str(fail_file)), "start",
+               "--name", daemon.name]
+    for option, value in daemon.geometry.items():
+        command += [f"--{option.replace('_', '-')}", str(value)]
+    with open(daemon.log_path, "ab") as log:
+        daemon.proc = subprocess.Popen(command, env=child_env(), cwd=ROOT, stdout=log, stderr=log)
+    wait_ready(daemon.proc, daemon.name, daemon.log_path)
+    with daemon.connect() as client:
+        before = seal_new(client, 10)
+        fail_file.touch()
+        during = seal_new(client, 3)  # committed, so acknowledged; its upkeep then fails ...
+        with pytest.raises(kvd.JournalError):
+            client.alloc(1)  # ... and the daemon fails closed
+        stats = client.stats()
+        assert stats["journal"] == "failed" and stats["journal_failures"] >= 1, stats
+        check_present(client, {**before, **during})  # lookups and reads go on
+        fail_file.unlink()
+        started = time.monotonic()
+        while True:
+            try:
+                client.release(client.alloc(1))
+                break
+            except kvd.JournalError:
+                assert time.monotonic() - started < 2.5, "writes not accepted 2.5 s after healing"
+                time.sleep(0.05)
+        assert client.stats()["journal"] == "ok"
+    daemon.kill()
+    daemon.recover()
+    with daemon.connect() as client:
+        check_fresh_recovery(client)
+        check_present(client, {**before, **during})
+    daemon.stop_cli()
+
+
 # ---- 5. stop --keep, plain stop, clients across restarts ---------------------------------------
 
 def test_stop_keep_then_recover_keeps_bytes_and_index(restartable):

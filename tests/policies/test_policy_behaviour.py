@@ -114,3 +114,15 @@ def test_kvd_shrinks_small_queue_on_main_ghost_hits() -> None:
         pass  # drain S, then M evicts 0 → M's ghost
     policy.inserted(0)
     assert policy.small_target < grown
+
+
+def test_kvd_far_small_ghost_hit_admits_without_growing() -> None:
+    """ARC's bound: only an S ghost an S of at most the pool could have kept moves the split."""
+    policy = AdaptiveS3FIFOPolicy(10)
+    fill(policy, range(11))
+    assert [policy.victim() for _ in range(10)] == list(range(10))  # S = [10], ghosts 0..9
+    start = policy.small_target
+    policy.inserted(0)  # |S| + 9 later S evictions = 10: beyond the bound
+    assert policy.small_target == start and 0 in policy
+    policy.inserted(9)  # |S| + 0: within it
+    assert policy.small_target > start

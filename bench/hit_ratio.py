@@ -10,12 +10,20 @@ minute per trace in pool mode); DIR gets hit_ratio_<mode>.md, .json and one PNG 
 `--tier-study` instead replays kvd's default policy with decode blocks (kvd/traces.py
 `decode_blocks`) under several prefill/decode splits (TIER_SHARES) and prints the prefix hit ratio
 of each split, and of no split, per capacity: DIR gets hit_ratio_tiers.md and .json.
+
+`--generalisation` checks the default policy on traces its design never saw (about 25 minutes):
+each Mooncake trace's halves, a 50% sample of its requests and of its conversations, four copies
+with 2% of the requests dropped (how much a cell moves by chance), and generated traces with other
+reuse (`generated_trace`). It prints kvd / best of five per cell in both modes and a summary per
+group of traces: DIR gets hit_ratio_generalisation.md and .json.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import random
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -25,7 +33,7 @@ if __package__ in (None, ""):  # run as `python bench/hit_ratio.py`
 
 from kvd.policies import DEFAULT_POLICY, POLICIES  # noqa: E402
 from kvd.replay import DEFAULT_CAPACITIES, MODES, Row, plot_rows, replay_rows  # noqa: E402
-from kvd.traces import load_trace  # noqa: E402
+from kvd.traces import Request, load_trace  # noqa: E402
 
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
 TRACE_NAMES = ("synthetic_trace.jsonl", "conversation_trace_part1.jsonl")
@@ -33,6 +41,14 @@ CLASSIC = ("lru", "lfu", "arc", "s3fifo", "sieve")
 TIER_SHARES = (None, "prefill=0.95,decode=0.05", "prefill=0.9,decode=0.1",
                "prefill=0.8,decode=0.2", "prefill=0.7,decode=0.3", "prefill=0.5,decode=0.5")
 TIER_CAPACITIES = (1000, 2000, 5000, 10000, 20000)
+# Generated traces for --generalisation: (name, seed, generated_trace keywords).
+GENERATED = (
+    ("chat", 11, {}),  # multi-turn chats, any live conversation may continue
+    ("chat-recent", 12, {"recent_bias": True, "num_live": 2000}),  # recent ones likelier
+    ("documents", 13, {"p_new": 0.6, "num_documents": 800, "turn_blocks": (1, 3)}),
+    ("scans", 14, {"p_one_shot": 0.5, "num_live": 300}),  # half are never-reused one-shots
+)
+NUM_DROPPED_COPIES = 4
 
 
 def markdown(trace_name: str, rows: list[Row]) -> str:
@@ -99,6 +115,117 @@ def tier_study(out: Path | None) -> None:
         (out / "hit_ratio_tiers.json").write_text(json.dumps(all_rows, indent=1))
 
 
+# ---- --generalisation -------------------------------------------------------------------------
+def generated_trace(num_requests: int = 6000, seed: int = 0, *, p_new: float = 0.25,
+                    num_live: int = 600, recent_bias: bool = False, num_documents: int = 0,
+                    turn_blocks: tuple[int, int] = (1, 8),
+                    p_one_shot: float = 0.0) -> list[Request]:
+    """Chat traffic with knobs for its reuse: each request starts a conversation (probability
+    `p_new`; one of 4 system prompts, then with `num_documents` a Zipf-popular shared document,
+    then 4 turns' worth of new blocks) or extends a live one by `turn_blocks` new blocks;
+    `num_live` conversations stay live (one from the older half ends at random when a new one
+    starts); `recent_bias` picks conversation i of n with weight 1 / (n - i); `p_one_shot` adds
+    long requests that are never reused."""
+    rng = random.Random(seed)
+    ids = itertools.count(1)
+    systems = [[next(ids) for _ in range(rng.randint(1, 4))] for _ in range(4)]
+    documents = [[next(ids) for _ in range(rng.randint(10, 60))] for _ in range(num_documents)]
+    weights = [1 / rank for rank in range(1, num_documents + 1)]
+    live: list[list[int]] = []
+    trace = []
+    for number in range(num_requests):
+        if rng.random() < p_one_shot:
+            chain = rng.choice(systems) + [next(ids) for _ in range(rng.randint(5, 80))]
+        elif not live or rng.random() < p_new:
+            chain = list(rng.choice(systems))
+            if documents:
+                chain += rng.choices(documents, weights)[0]
+            chain += [next(ids) for _ in range(rng.randint(*turn_blocks) * 4)]
+            live.append(chain)
+            if len(live) > num_live:
+                live.pop(rng.randrange(len(live) // 2))
+        else:
+            choice = rng.choices(live, [1 / (len(live) - i) for i in range(len(live))])[0] \
+                if recent_bias else rng.choice(live)
+            choice.extend(next(ids) for _ in range(rng.randint(*turn_blocks)))
+            chain = choice
+        trace.append(Request(number * 300, len(chain) * 512 - rng.randrange(512), 200,
+                             tuple(chain)))
+    return trace
+
+
+def conversation_sample(trace: list[Request], share: float, seed: int) -> list[Request]:
+    """Whole conversations, kept with probability `share`: a request belongs to the conversation
+    named by its first block that not every request shares (a common system prompt)."""
+    common = set.intersection(*(set(request.hash_ids) for request in trace))
+    kept = []
+    for request in trace:
+        name = next((key for key in request.hash_ids if key not in common), request.hash_ids[0])
+        if random.Random(f"{seed}:{name}").random() < share:
+            kept.append(request)
+    return kept
+
+
+def generalisation_traces() -> dict[str, list[Request]]:
+    """Every trace --generalisation replays, by name (module docstring)."""
+    traces = {}
+    for trace_name in TRACE_NAMES:
+        trace, short = load_trace(TRACES / trace_name), trace_name.split("_")[0]
+        half = len(trace) // 2
+        traces[f"{short} first half"], traces[f"{short} second half"] = trace[:half], trace[half:]
+        rng = random.Random(1)
+        traces[f"{short} 50% of requests"] = [r for r in trace if rng.random() < 0.5]
+        traces[f"{short} 50% of conversations"] = conversation_sample(trace, 0.5, 1)
+        for seed in range(1, NUM_DROPPED_COPIES + 1):
+            rng = random.Random(seed)
+            traces[f"{short} 2% dropped #{seed}"] = [r for r in trace if rng.random() >= 0.02]
+    for name, seed, knobs in GENERATED:
+        traces[f"generated {name}"] = generated_trace(seed=seed, **knobs)
+    documents, scans = GENERATED[2][2], GENERATED[3][2]
+    first, second = generated_trace(3000, 15, **documents), generated_trace(3000, 16, **scans)
+    offset = 1 + max(key for request in first for key in request.hash_ids)
+    traces["generated documents, then scans"] = first + [
+        Request(r.timestamp_ms, r.input_length, r.output_length,
+                tuple(key + offset for key in r.hash_ids)) for r in second]
+    return traces
+
+
+def generalisation(out: Path | None) -> None:
+    """kvd / best of five on every generalisation trace, both modes (module docstring)."""
+    header = "| trace | mode | " + " | ".join(f"{c // 1000}k" for c in DEFAULT_CAPACITIES) + " |"
+    lines = [f"{DEFAULT_POLICY} / best of {', '.join(CLASSIC)} (prefix hit ratio):", "", header,
+             "|---|---|" + "---:|" * len(DEFAULT_CAPACITIES)]
+    all_rows: dict = {}
+    groups: dict[str, list[float]] = {"halves and samples": [], "2% dropped": [], "generated": []}
+    for trace_name, trace in generalisation_traces().items():
+        group = "2% dropped" if "dropped" in trace_name else \
+            "generated" if trace_name.startswith("generated") else "halves and samples"
+        all_rows[trace_name] = {}
+        for mode in MODES:
+            rows = replay_rows(trace, [*CLASSIC, DEFAULT_POLICY], DEFAULT_CAPACITIES, mode)
+            all_rows[trace_name][mode] = [asdict(row) for row in rows]
+            cells = [_of_best(rows, capacity) for capacity in DEFAULT_CAPACITIES]
+            groups[group].extend(cells)
+            lines.append(f"| {trace_name} | {mode} | " + " | ".join(f"{x:.3f}" for x in cells)
+                         + " |")
+            print(lines[-1], flush=True)
+    lines.append("")
+    for group, ratios in groups.items():
+        lines.append(f"- {group}: {len(ratios)} cells, {sum(x >= 0.98 for x in ratios)} at "
+                     f">= 0.98, worst {min(ratios):.3f}, mean {sum(ratios) / len(ratios):.3f}")
+        print(lines[-1])
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "hit_ratio_generalisation.md").write_text("\n".join(lines) + "\n")
+        (out / "hit_ratio_generalisation.json").write_text(json.dumps(all_rows, indent=1))
+
+
+def _of_best(rows: list[Row], capacity: int) -> float:
+    ratio = {row.policy: row.prefix_hit_ratio for row in rows if row.capacity == capacity}
+    best = max(ratio[name] for name in CLASSIC)
+    return ratio[DEFAULT_POLICY] / best if best else 1.0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=MODES, default="pool")
@@ -106,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="pool mode: seal without parents (tail-first release only)")
     parser.add_argument("--tier-study", action="store_true",
                         help="measure prefill/decode splits instead (see the module docstring)")
+    parser.add_argument("--generalisation", action="store_true",
+                        help="check the default policy on unseen traces (module docstring)")
     parser.add_argument("--out", type=Path, help="write the table, JSON rows and plots here")
     args = parser.parse_args(argv)
     missing = [name for name in TRACE_NAMES if not (TRACES / name).is_file()]
@@ -115,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.tier_study:
         tier_study(args.out)
+        return 0
+    if args.generalisation:
+        generalisation(args.out)
         return 0
     suffix = "_flat" if args.no_prefix_tree else ""
     tables, all_rows = [], {}

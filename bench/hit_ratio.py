@@ -195,7 +195,7 @@ def generalisation(out: Path | None) -> None:
     header = "| trace | mode | " + " | ".join(f"{c // 1000}k" for c in DEFAULT_CAPACITIES) + " |"
     lines = [f"{DEFAULT_POLICY} / best of {', '.join(CLASSIC)} (prefix hit ratio):", "", header,
              "|---|---|" + "---:|" * len(DEFAULT_CAPACITIES)]
-    all_rows: dict = {}
+    all_rows: dict = {"capacities": list(DEFAULT_CAPACITIES)}  # trace → mode → policy → ratios
     groups: dict[str, list[float]] = {"halves and samples": [], "2% dropped": [], "generated": []}
     for trace_name, trace in generalisation_traces().items():
         group = "2% dropped" if "dropped" in trace_name else \
@@ -203,14 +203,16 @@ def generalisation(out: Path | None) -> None:
         all_rows[trace_name] = {}
         for mode in MODES:
             rows = replay_rows(trace, [*CLASSIC, DEFAULT_POLICY], DEFAULT_CAPACITIES, mode)
-            all_rows[trace_name][mode] = [asdict(row) for row in rows]
+            all_rows[trace_name][mode] = {
+                name: [row.prefix_hit_ratio for row in rows if row.policy == name]
+                for name in (*CLASSIC, DEFAULT_POLICY)}
             cells = [_of_best(rows, capacity) for capacity in DEFAULT_CAPACITIES]
             groups[group].extend(cells)
             lines.append(f"| {trace_name} | {mode} | " + " | ".join(f"{x:.3f}" for x in cells)
                          + " |")
             print(lines[-1], flush=True)
     lines.append("")
-    for group, ratios in groups.items():
+    for group, ratios in ((group, ratios) for group, ratios in groups.items() if ratios):
         lines.append(f"- {group}: {len(ratios)} cells, {sum(x >= 0.98 for x in ratios)} at "
                      f">= 0.98, worst {min(ratios):.3f}, mean {sum(ratios) / len(ratios):.3f}")
         print(lines[-1])

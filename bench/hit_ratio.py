@@ -11,7 +11,7 @@ minute per trace in pool mode); DIR gets hit_ratio_<mode>.md, .json and one PNG 
 `decode_blocks`) under several prefill/decode splits (TIER_SHARES) and prints the prefix hit ratio
 of each split, and of no split, per capacity: DIR gets hit_ratio_tiers.md and .json.
 
-`--generalisation` checks the default policy on traces its design never saw (about 25 minutes):
+`--generalisation` checks the default policy on traces its design never saw (about 10 minutes):
 each Mooncake trace's halves, a 50% sample of its requests and of its conversations, four copies
 with 2% of the requests dropped (how much a cell moves by chance), and generated traces with other
 reuse (`generated_trace`). It prints kvd / best of five per cell in both modes and a summary per

@@ -601,14 +601,7 @@ def test_journal_failure_refuses_writes_serves_reads_and_heals(restartable, tmp_
         check_present(client, before)  # lookups and reads go on
         client.release(held)
         fail_file.unlink()
-        started = time.monotonic()
-        while True:
-            try:
-                client.release(client.alloc(1))
-                break
-            except kvd.JournalError:
-                assert time.monotonic() - started < 2.5, "writes not accepted 2.5 s after healing"
-                time.sleep(0.05)
+        wait_until_writable(client)
         assert client.stats()["journal"] == "ok" and scrape(port, "kvd_journal_writable") == 1
         after = seal_new(client, 5)
         client.release(pending_ids)
@@ -619,6 +612,18 @@ def test_journal_failure_refuses_writes_serves_reads_and_heals(restartable, tmp_
         check_present(client, {**before, **after})  # the rewrite restored the whole index
         check_maybe_present(client, pending)
     daemon.stop_cli()
+
+
+def wait_until_writable(client: kvd.Client) -> None:
+    """Allocations succeed again within 2.5 s of the journal healing (it retries each second)."""
+    started = time.monotonic()
+    while True:
+        try:
+            client.release(client.alloc(1))
+            return
+        except kvd.JournalError:
+            assert time.monotonic() - started < 2.5, "writes not accepted 2.5 s after healing"
+            time.sleep(0.05)
 
 
 # The daemon checkpointing its WAL after every write, and the checkpoints failing while a file
@@ -662,14 +667,7 @@ def test_failed_upkeep_keeps_the_acknowledged_seal_and_fails_closed(restartable,
         assert stats["journal"] == "failed" and stats["journal_failures"] >= 1, stats
         check_present(client, {**before, **during})  # lookups and reads go on
         fail_file.unlink()
-        started = time.monotonic()
-        while True:
-            try:
-                client.release(client.alloc(1))
-                break
-            except kvd.JournalError:
-                assert time.monotonic() - started < 2.5, "writes not accepted 2.5 s after healing"
-                time.sleep(0.05)
+        wait_until_writable(client)
         assert client.stats()["journal"] == "ok"
     daemon.kill()
     daemon.recover()

@@ -11,6 +11,8 @@ results under the output directory with small PNGs (dpi 100).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -145,6 +147,15 @@ def write_json(out: Path, name: str, results: Any) -> Path:
     path = out / f"{name}.json"
     path.write_text(json.dumps(results, indent=1, default=str) + "\n")
     return path
+
+
+def printed_section(title: str, print_tables: Callable[[Any], None], results: Any) -> str:
+    """A markdown section holding what `print_tables(results)` prints, as a text block (for the
+    benches whose tables are fixed-width text)."""
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        print_tables(results)
+    return f"## {title}\n\n```text{text.getvalue()}```\n"
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

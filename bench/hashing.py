@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import pickle
 import random
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 import kvd
+from bench.common import write_json
 
 BLOCK_SIZES = (16, 512)
 PROMPT_TOKENS = (4096, 131072)
@@ -88,10 +88,8 @@ def run_bench(quick: bool, out: Path) -> str:
     rows = [measure(block_size, num_tokens, 0.0 if quick else 0.5)
             for block_size in BLOCK_SIZES
             for num_tokens in (PROMPT_TOKENS[:1] if quick else PROMPT_TOKENS)]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hashing.json").write_text(json.dumps(
-        {"hash_version": kvd.HASH_VERSION, "python": sys.version.split()[0], "rows": rows},
-        indent=2))
+    write_json(out, "hashing", {"hash_version": kvd.HASH_VERSION,
+                                "python": sys.version.split()[0], "rows": rows})
     lines = ["| block | prompt tokens | kvd list ns/token | kvd numpy ns/token | "
              "sha256+pickle ns/token | sha256 / kvd |", "|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['block_size']} | {r['prompt_tokens']} | {r['kvd_list_ns_per_token']:.1f} | "
@@ -114,10 +112,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(measure(block_size, num_tokens, args.budget_s))
     print_table(rows)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        results = {"hash_version": kvd.HASH_VERSION, "python": sys.version.split()[0],
-                   "rows": rows}
-        (args.out / "hashing.json").write_text(json.dumps(results, indent=2))
+        write_json(args.out, "hashing", {"hash_version": kvd.HASH_VERSION,
+                                         "python": sys.version.split()[0], "rows": rows})
 
 
 if __name__ == "__main__":

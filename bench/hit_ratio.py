@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import random
 import sys
 from dataclasses import asdict
@@ -31,6 +30,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/hit_ratio.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import write_json  # noqa: E402
 from kvd.policies import DEFAULT_POLICY, POLICIES  # noqa: E402
 from kvd.replay import DEFAULT_CAPACITIES, MODES, Row, plot_rows, replay_rows  # noqa: E402
 from kvd.traces import Request, load_trace  # noqa: E402
@@ -87,7 +87,7 @@ def run_bench(quick: bool, out: Path) -> str:
         all_rows[trace_name] = [asdict(row) for row in rows]
         plot_rows(rows, str(out / f"hit_ratio_pool_{trace_name.split('_')[0]}.png"),
                   f"{trace_name} (pool replay)")
-    (out / "hit_ratio_pool.json").write_text(json.dumps(all_rows, indent=1))
+    write_json(out, "hit_ratio_pool", all_rows)
     return title + "\n".join(tables)
 
 
@@ -110,9 +110,8 @@ def tier_study(out: Path | None) -> None:
         tables.append("\n".join(lines) + "\n")
         print(tables[-1], flush=True)
     if out:
-        out.mkdir(parents=True, exist_ok=True)
+        write_json(out, "hit_ratio_tiers", all_rows)
         (out / "hit_ratio_tiers.md").write_text("\n".join(tables))
-        (out / "hit_ratio_tiers.json").write_text(json.dumps(all_rows, indent=1))
 
 
 # ---- --generalisation -------------------------------------------------------------------------
@@ -217,9 +216,8 @@ def generalisation(out: Path | None) -> None:
                      f">= 0.98, worst {min(ratios):.3f}, mean {sum(ratios) / len(ratios):.3f}")
         print(lines[-1])
     if out:
-        out.mkdir(parents=True, exist_ok=True)
+        write_json(out, "hit_ratio_generalisation", all_rows)
         (out / "hit_ratio_generalisation.md").write_text("\n".join(lines) + "\n")
-        (out / "hit_ratio_generalisation.json").write_text(json.dumps(all_rows, indent=1))
 
 
 def _of_best(rows: list[Row], capacity: int) -> float:
@@ -264,9 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                                 f"{trace_name.split('_')[0]}.png"),
                       f"{trace_name} ({args.mode} replay)")
     if args.out:
+        write_json(args.out, f"hit_ratio_{args.mode}{suffix}", all_rows)
         (args.out / f"hit_ratio_{args.mode}{suffix}.md").write_text("\n".join(tables))
-        (args.out / f"hit_ratio_{args.mode}{suffix}.json").write_text(json.dumps(all_rows,
-                                                                                 indent=1))
     return 0
 
 

@@ -11,7 +11,6 @@ policies.png.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python bench/policies.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import write_json  # noqa: E402
 from kvd.policies import POLICIES, make_policy  # noqa: E402
 
 SIZES = (1_000, 10_000, 100_000, 1_000_000)
@@ -104,8 +104,7 @@ def run_bench(quick: bool, out: Path) -> str:
     from bench.common import markdown_table
 
     results = measure((1_000, 4_000), 2_000, 2_000) if quick else measure()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "policies.json").write_text(json.dumps(results, indent=1))
+    write_json(out, "policies", results)
     plot(results, out / "policies.png")
     rows = [[name, *(f"{cost:.0f}" for cost in costs), f"{results['ratio_1m_1k'][name]:.2f}"]
             for name, costs in results["per_round_ns"].items()]
@@ -124,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'policy':<8} " + "  ".join(f"{size:>8}" for size in SIZES) + "   (ns per round)")
     results = measure()
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "policies.json").write_text(json.dumps(results, indent=1))
+        write_json(args.out, "policies", results)
         plot(results, args.out / "policies.png")
     return 0
 

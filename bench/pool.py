@@ -26,6 +26,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
+from bench.common import printed_section, write_json
 from kvd.policies import POLICIES
 from kvd.pool import BlockPool
 
@@ -180,21 +181,14 @@ def print_tables(results: dict) -> None:
 def run_bench(quick: bool, out: Path) -> str:
     """`python -m bench` calls this: the default policy and LRU at 1M blocks (quick: LRU at 10k
     blocks); writes pool.json, returns the printed tables as a markdown section."""
-    import contextlib
-    import io
-
     from kvd.policies import DEFAULT_POLICY
 
     policies = ["lru"] if quick else ["lru", DEFAULT_POLICY]
     results = run(policies, 10_000 if quick else 1_000_000, 4096 if quick else 65_536,
                   4096 if quick else 65_536)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "pool.json").write_text(json.dumps(results, indent=2))
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        print_tables(results)
-    return ("## BlockPool: build time, bytes per block, op throughput (bench/pool.py)\n\n"
-            "```text" + text.getvalue() + "```\n")
+    write_json(out, "pool", results)
+    return printed_section("BlockPool: build time, bytes per block, op throughput "
+                           "(bench/pool.py)", print_tables, results)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -215,8 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     results = run(policies, args.num_blocks, args.ops_pool_blocks, args.ops_blocks_per_batch_size)
     print_tables(results)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "pool.json").write_text(json.dumps(results, indent=2))
+        write_json(args.out, "pool", results)
 
 
 if __name__ == "__main__":

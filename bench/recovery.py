@@ -60,6 +60,8 @@ import time
 import uuid
 from pathlib import Path
 
+from bench.common import printed_section, write_json
+
 ROOT = Path(__file__).resolve().parent.parent
 GEOMETRY = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "block_size": 1,
             "dtype": "float16"}
@@ -557,9 +559,6 @@ def private_dirs() -> str:
 def run_bench(quick: bool, out: Path) -> str:
     """`python -m bench` calls this (quick: 20,000 blocks, one repeat, 0.2 s per seal point);
     writes recovery.json and returns the printed tables as a markdown section."""
-    import contextlib
-    import io
-
     saved_env = dict(os.environ)
     base = private_dirs()
     try:
@@ -570,13 +569,9 @@ def run_bench(quick: bool, out: Path) -> str:
         shutil.rmtree(base, ignore_errors=True)
         os.environ.clear()
         os.environ.update(saved_env)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "recovery.json").write_text(json.dumps(results, indent=2))
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        print_tables(results)
-    return ("## Crash recovery and what the journal costs a seal (bench/recovery.py)\n\n"
-            "```text" + text.getvalue() + "```\n")
+    write_json(out, "recovery", results)
+    return printed_section("Crash recovery and what the journal costs a seal "
+                           "(bench/recovery.py)", print_tables, results)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -617,8 +612,7 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(base, ignore_errors=True)
     print_tables(results)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "recovery.json").write_text(json.dumps(results, indent=2))
+        write_json(args.out, "recovery", results)
 
 
 if __name__ == "__main__":

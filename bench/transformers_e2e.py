@@ -35,6 +35,7 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 import kvd  # noqa: E402
+from bench.common import write_json  # noqa: E402
 from kvd.demo import running_daemon  # noqa: E402
 from kvd.integrations.transformers import KvdCache  # noqa: E402
 from workers.hf_generate import build_model  # noqa: E402
@@ -163,8 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     results["decode"] = [decode_overhead(args, name) for name in SHAPES]
     report(results)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "transformers_e2e.json").write_text(json.dumps(results, indent=2))
+        write_json(args.out, "transformers_e2e", results)
 
 
 if __name__ == "__main__":

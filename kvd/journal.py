@@ -118,7 +118,7 @@ from typing import Any
 import numpy as np
 
 from kvd.errors import JournalError
-from kvd.pool import IndexRows
+from kvd.pool import IndexRows, JournalRow
 
 FAILPOINTS = ("before-commit", "after-commit-before-reply", "mid-eviction", "during-recovery",
               "mid-compaction")
@@ -151,7 +151,6 @@ COMPACT_BUDGET = 1024  # records a compaction step cleans at least (whole chunks
 PAGE_NBYTES = 4096  # SQLite's default page size
 CHECKPOINT_NBYTES = 4 << 20  # WAL bytes that make tidy() checkpoint (module docstring)
 _CHUNK = tuple[int, int]  # (chunk id, number of records)
-_SealRow = tuple[int, bytes, int, int, int, int]  # block_id, key, generation, parent, pgen, tier
 
 
 @cache
@@ -198,15 +197,15 @@ class _LogState:
         self.seal_seq = 0  # the last seal_seq handed out
         self.next_chunk_id = 1
         # Commits not yet reflected in chunk_of and num_live: (first chunk id, evicted block
-        # ids, sealed block ids), applied by settle() so that no reply waits for them.
-        self.unsettled: list[tuple[int, Sequence[int], Sequence[int]]] = []
+        # ids, sealed rows), applied by settle() so that no reply waits for them.
+        self.unsettled: list[tuple[int, Sequence[int], Sequence[JournalRow]]] = []
         self.num_appended = 0  # records appended by commits since the last upkeep
 
     def settle(self) -> None:
         """Bring `chunk_of` and `num_live` up to date with every commit so far."""
-        for first_chunk_id, evictions, block_ids in self.unsettled:
+        for first_chunk_id, evictions, seals in self.unsettled:
             self.forget(evictions)
-            self.place(block_ids, first_chunk_id, first_position=len(evictions))
+            self.place([row[0] for row in seals], first_chunk_id, first_position=len(evictions))
         self.unsettled.clear()
 
     def forget(self, block_ids: Sequence[int]) -> None:
@@ -276,16 +275,17 @@ class Journal:
         self._num_wal_nbytes = 0  # about what the WAL holds since the last checkpoint
         # Pending seals by block id: an eviction of a block sealed since the last commit drops
         # its seal here (tombstones are written first, so a buffered seal would outlive it).
-        self._seals: dict[int, _SealRow] = {}
+        self._seals: dict[int, JournalRow] = {}
         self._evictions: list[int] = []
         self._num_seals_pending = 0
         self._log: _LogState | None = None  # None: unknown, rebuilt from the database when needed
 
     # ---- the pool observer interface (called from BlockPool) ------------------------------
-    def sealed(self, block_id: int, key: Any, generation: int, parent: int,
-               parent_generation: int, tier: int) -> None:
-        self._seals[block_id] = (block_id, key, generation, parent, parent_generation, tier)
-        self._num_seals_pending += 1
+    def sealed(self, rows: list[JournalRow]) -> None:
+        seals = self._seals
+        for row in rows:
+            seals[row[0]] = row
+        self._num_seals_pending += len(rows)
 
     def evicted(self, block_id: int) -> None:
         failpoint("mid-eviction")
@@ -317,11 +317,12 @@ class Journal:
         for (the rest waits for `tidy()`). Raises JournalError on failure."""
         if not self._num_seals_pending and not self._evictions:
             return
-        pending = self._seals
+        pending, evictions = self._seals, self._evictions
         # A block evicted, then sealed again, needs no tombstone: its new SEAL record follows in
         # the same commit and supersedes the old one by itself. A warm cache's allocation evicts
         # the very blocks its owner then seals, so this drops most tombstones.
-        evictions = [block_id for block_id in self._evictions if block_id not in pending]
+        if pending and evictions:
+            evictions = [block_id for block_id in evictions if block_id not in pending]
         seals = list(pending.values())
         self._clear_pending()
         failpoint("before-commit")
@@ -346,7 +347,7 @@ class Journal:
         if self._num_wal_nbytes >= CHECKPOINT_NBYTES:
             self._transaction(self._checkpoint, is_atomic=True)
 
-    def rewrite(self, rows: Sequence[_SealRow]) -> None:
+    def rewrite(self, rows: Sequence[JournalRow]) -> None:
         """Replace every row with `rows` — (block_id, key, generation, parent, parent_generation,
         tier), oldest first — after a failed commit lost some changes."""
         self._clear_pending()
@@ -388,26 +389,31 @@ class Journal:
         self._num_wal_nbytes = 0
 
     # ---- the log ---------------------------------------------------------------------------
-    def _append(self, log: _LogState, evictions: Sequence[int], seals: Sequence[_SealRow]) -> None:
+    def _append(self, log: _LogState, evictions: Sequence[int],
+                seals: Sequence[JournalRow]) -> None:
         """Append tombstones, then seals, as new chunks (`chunk_of` follows in settle())."""
         key_width = max([len(row[1]) for row in seals], default=DEFAULT_KEY_WIDTH)
         if key_width > MAX_KEY_NBYTES:
             raise sqlite3.DataError(f"a key of {key_width} bytes: the journal keeps at most "
                                     f"{MAX_KEY_NBYTES}")
-        records = list(map(_tombstone_struct(key_width).pack, evictions, repeat(EVICT)))
+        pack = _record_struct(key_width).pack
         # A loop over the rows: transposing them to map() the packing over columns costs more
         # than the loop.
-        pack = _record_struct(key_width).pack
-        records += [pack(seal_seq, generation, parent_generation, block_id, parent, SEAL, tier,
-                         len(key), key)
-                    for seal_seq, (block_id, key, generation, parent, parent_generation, tier)
-                    in enumerate(seals, log.seal_seq + 1)]
-        log.unsettled.append((log.next_chunk_id, evictions, [row[0] for row in seals]))
+        records = [pack(seal_seq, generation, parent_generation, block_id, parent, SEAL, tier,
+                        len(key), key)
+                   for seal_seq, (block_id, key, generation, parent, parent_generation, tier)
+                   in enumerate(seals, log.seal_seq + 1)]
+        if evictions:
+            records[:0] = map(_tombstone_struct(key_width).pack, evictions, repeat(EVICT))
+        log.unsettled.append((log.next_chunk_id, evictions, seals))
         log.seal_seq += len(seals)
         log.num_appended += len(records)
-        self._write_chunks(log, key_width, [b"".join(records[start:start + MAX_CHUNK_RECORDS])
-                                            for start in range(0, len(records),
-                                                               MAX_CHUNK_RECORDS)])
+        if len(records) <= MAX_CHUNK_RECORDS:
+            self._write_chunks(log, key_width, [b"".join(records)])
+        else:
+            self._write_chunks(log, key_width, [b"".join(records[start:start + MAX_CHUNK_RECORDS])
+                                                for start in range(0, len(records),
+                                                                   MAX_CHUNK_RECORDS)])
 
     def _write_chunks(self, log: _LogState, key_width: int, blobs: list[bytes]) -> None:
         """Insert `blobs` as the next chunks, each of whole records of `key_width`."""

@@ -80,6 +80,9 @@ NO_BLOCK = -1  # an empty link in the prefix tree
 # evicted, so unreachable).
 NO_PARENT, ORPHAN = NO_BLOCK, -2
 STATE_NAMES = ("free", "owned", "sealed", "cached")
+# An indexed block as the journal records it (BlockPool.journal_rows):
+# (block_id, key, generation, parent, parent_generation, tier), as in IndexRows.
+JournalRow = tuple[int, Hashable, int, int, int, int]
 
 
 def _check_key(key: Hashable) -> None:
@@ -112,8 +115,11 @@ class IndexRows(NamedTuple):
 class PoolObserver(Protocol):
     """Receives every change to the hash index, in order (kvd.journal.Journal is one)."""
 
-    def sealed(self, block_id: int, key: Hashable, generation: int, parent: int,
-               parent_generation: int, tier: int) -> None: ...
+    def sealed(self, rows: list[JournalRow]) -> None:
+        """Blocks just indexed by one seal call, in order, as BlockPool.journal_rows makes them
+        (one call per seal, not per block: a batch-16 seal's journal work is mostly per-call
+        overhead otherwise)."""
+
 
     def evicted(self, block_id: int) -> None: ...
 
@@ -365,7 +371,7 @@ class BlockPool:
             _check_key(key)
         if len(block_ids) > 1 and len(set(block_ids)) != len(block_ids):
             raise BadArgsError("seal names the same block twice")
-        indexed = []
+        indexed = []  # per block: newly indexed
         for position, (block_id, key) in enumerate(zip(block_ids, keys)):
             self._state[block_id] = SEALED
             self._hashes[block_id] = key
@@ -376,9 +382,10 @@ class BlockPool:
                 if parents is not None and parents[position] is not None:
                     self._adopt(block_id, parents[position])
                 self._index[key] = block_id
-                if self.observer is not None:
-                    self.observer.sealed(*self._journal_row(block_id))
             indexed.append(is_new)
+        if self.observer is not None:
+            self.observer.sealed(self.journal_rows(
+                [block_id for block_id, is_new in zip(block_ids, indexed) if is_new]))
         self._num_owned -= len(block_ids)
         self._num_sealed += len(block_ids)
         self.counters["seals"] += len(block_ids)
@@ -520,19 +527,18 @@ class BlockPool:
             self.policy.inserted(key, self._tier[block_id])
 
     # ---- recovery --------------------------------------------------------------------------
-    def _journal_row(self, block_id: int) -> tuple[Hashable, ...]:
-        """What the journal records of an indexed block (see kvd/journal.py)."""
-        parent = self._parent[block_id]
-        if self._is_orphan[block_id]:
-            parent = ORPHAN
-        generations = self.generations  # .item(): a Python int at half the cost of int(a[i])
-        parent_generation = generations.item(parent) if parent >= 0 else 0
-        return (block_id, self._hashes[block_id], generations.item(block_id), parent,
-                parent_generation, self._tier[block_id])
-
-    def journal_rows(self) -> list[tuple[Hashable, ...]]:
-        """Every indexed block as a journal row, oldest index entry first."""
-        return [self._journal_row(block_id) for block_id in self._index.values()]
+    def journal_rows(self, block_ids: Iterable[int] | None = None) -> list[JournalRow]:
+        """What the journal records of indexed blocks (see kvd/journal.py): of `block_ids`, or
+        of every indexed block, oldest index entry first. A row is (block_id, key, generation,
+        parent, parent_generation, tier); parent is ORPHAN for an orphan."""
+        parents, is_orphan, hashes, tiers = self._parent, self._is_orphan, self._hashes, self._tier
+        generation = self.generations.item  # a Python int at half the cost of int(a[i])
+        rows = []
+        for block_id in self._index.values() if block_ids is None else block_ids:
+            parent = ORPHAN if is_orphan[block_id] else parents[block_id]
+            rows.append((block_id, hashes[block_id], generation(block_id), parent,
+                         generation(parent) if parent >= 0 else 0, tiers[block_id]))
+        return rows
 
     def restore(self, rows: IndexRows) -> int:
         """Make journaled blocks CACHED again, oldest first, in a fresh pool (after a crash).

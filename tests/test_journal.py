@@ -55,7 +55,7 @@ def reopened(journal: Journal) -> tuple[list[int], list[bytes]]:
 
 def seal(journal: Journal, block_id: int, key: bytes) -> None:
     """Journal a chain head of generation 0 in the prefill tier."""
-    journal.sealed(block_id, key, 0, NO_PARENT, 0, 0)
+    journal.sealed([(block_id, key, 0, NO_PARENT, 0, 0)])
 
 
 def heads(block_ids: list[int], keys: list[bytes]) -> list[tuple]:
@@ -251,7 +251,7 @@ class ChurnModel:
                 parent = self.rng.choice([NO_PARENT, ORPHAN, *self.live])
                 row = (block_id, key, self.num_seals, parent, self.num_seals * 7,
                        self.rng.randrange(2))
-                journal.sealed(*row)
+                journal.sealed([row])
                 self.live[block_id] = row
         journal.commit()
         journal.tidy()  # as the daemon does, once the commit's replies are out
@@ -445,7 +445,7 @@ def test_crash_during_compaction_loses_nothing_committed(tmp_path):
 class NullJournal:
     """Stands in for a Journal to replay a ChurnModel's random choices without writing."""
 
-    def sealed(self, *row: object) -> None:
+    def sealed(self, rows: list[tuple]) -> None:
         pass
 
     def evicted(self, block_id: int) -> None:

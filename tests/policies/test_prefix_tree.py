@@ -59,7 +59,7 @@ def test_parent_chosen_first_is_evicted_after_its_children() -> None:
     evicted: list[int] = []
 
     class Journal:
-        def sealed(self, block_id: int, *row: object) -> None:
+        def sealed(self, rows: list[tuple]) -> None:
             pass
 
         def evicted(self, block_id: int) -> None:

@@ -48,7 +48,6 @@ def child_env(runtime_dir: str | None = None) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
     if runtime_dir is not None:
         env["XDG_RUNTIME_DIR"] = runtime_dir
-        env["XDG_STATE_HOME"] = os.path.join(runtime_dir, "state")
     return env
 
 

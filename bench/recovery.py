@@ -546,11 +546,10 @@ def print_seal_table(clients: dict) -> None:
             print(line)
 
 
-def private_dirs() -> str:
-    """Runtime and state dirs of this run only (children inherit them)."""
+def private_runtime_dir() -> str:
+    """A runtime dir of this run only (children inherit it)."""
     base = tempfile.mkdtemp(prefix="kvdb-", dir="/tmp")
     os.environ["XDG_RUNTIME_DIR"] = base
-    os.environ["XDG_STATE_HOME"] = os.path.join(base, "state")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT),
                                                              os.environ.get("PYTHONPATH")]))
     return base
@@ -560,7 +559,7 @@ def run_bench(quick: bool, out: Path) -> str:
     """`python -m bench` calls this (quick: 20,000 blocks, one repeat, 0.2 s per seal point);
     writes recovery.json and returns the printed tables as a markdown section."""
     saved_env = dict(os.environ)
-    base = private_dirs()
+    base = private_runtime_dir()
     try:
         results = {"recovery": bench_recovery(20_000 if quick else 1_000_000, 1 if quick else 3),
                    "commits": bench_commit_cost(0.2 if quick else 1.0),
@@ -599,7 +598,7 @@ def main(argv: list[str] | None = None) -> None:
     if not set(parts) <= set(PARTS):
         parser.error(f"--parts takes some of {','.join(PARTS)}, got {args.parts}")
     batch_sizes = tuple(int(size) for size in args.batch_sizes.split(","))
-    base = private_dirs()
+    base = private_runtime_dir()
     try:
         results = {}
         if "recovery" in parts:

@@ -52,8 +52,8 @@ def _add_start(subparsers: Any) -> None:
     parser.add_argument("--tiers", metavar="prefill=S,decode=S",
                         help="split the pool into prefill and decode tiers with these shares, "
                              "e.g. prefill=0.7,decode=0.3 (add :POLICY to give a tier its own)")
-    parser.add_argument("--state-dir", help="journal directory for crash recovery "
-                        "(default: $XDG_STATE_HOME/kvd/NAME or ~/.local/state/kvd/NAME)")
+    parser.add_argument("--state-dir", help="journal directory for crash recovery (default: "
+                        "/dev/shm/kvd-UID-NAME.journal, in memory beside the segment)")
     parser.add_argument("--no-journal", action="store_true",
                         help="no crash-recovery journal (seals are cheaper; nothing survives)")
     parser.add_argument("--recover", action="store_true",

@@ -57,7 +57,7 @@ from kvd.metrics import OpStats, serve_metrics
 from kvd.policies import make_policy
 from kvd.pool import BlockPool, IndexRows
 from kvd.protocol import FrameDecoder, FrameEncoder, encode_error, parse_request, unpack_body
-from kvd.runtime import DaemonPaths
+from kvd.runtime import SHM_DIR, DaemonPaths
 from kvd.runtime import state_dir as state_dir_of
 from kvd.segment import LAYOUT_VERSION, Segment, current_boot_id
 from kvd.service import Service, Session
@@ -203,7 +203,7 @@ class Daemon:
             self.service.journal_state = "ok"
 
     def _create_segment(self) -> None:
-        stale = f"/dev/shm{self.paths.segment_name}"
+        stale = SHM_DIR + self.paths.segment_name
         if os.path.exists(stale):  # we hold the lock, so no live daemon uses it
             log.warning("removing stale segment %s left by a daemon that did not stop cleanly "
                         "(kvd start --recover keeps it)", self.paths.segment_name)

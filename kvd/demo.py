@@ -37,7 +37,7 @@ from pathlib import Path
 from types import FrameType
 
 from kvd.errors import DisconnectedError, InternalError, KvdError
-from kvd.runtime import DaemonPaths
+from kvd.runtime import SHM_DIR, DaemonPaths, state_dir
 
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 15.0
@@ -203,7 +203,8 @@ def format_pool(stats: dict) -> str:
 
 def _leftovers(name: str) -> list[str]:
     paths = DaemonPaths.for_name(name)
-    candidates = ["/dev/shm" + paths.segment_name, paths.socket_path, paths.pid_path]
+    candidates = [SHM_DIR + paths.segment_name, str(state_dir(name)), paths.socket_path,
+                  paths.pid_path]
     return [path for path in candidates if os.path.exists(path)]
 
 

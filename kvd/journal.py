@@ -6,6 +6,8 @@ POSIX shared memory outlives the daemon, so after a crash every sealed block's b
 the segment; what dies is the in-memory map from content hash to block. The journal keeps that
 map in SQLite (WAL mode, `synchronous=NORMAL`: a committed transaction survives the process
 crashing — only an OS crash or power loss can lose the last commits, and those lose /dev/shm too).
+By default it lives on /dev/shm beside the segment (kvd/runtime.py says why), so that its writes
+and checkpoints never wait for a disk.
 
 The map is kept as an append-only log of packed records (a log-structured design, as in
 Rosenblum and Ousterhout's LFS), not as one table row per block:
@@ -119,6 +121,7 @@ import numpy as np
 
 from kvd.errors import JournalError
 from kvd.pool import IndexRows, JournalRow
+from kvd.runtime import private_dir
 
 FAILPOINTS = ("before-commit", "after-commit-before-reply", "mid-eviction", "during-recovery",
               "mid-compaction")
@@ -247,8 +250,7 @@ class Journal:
                 compact_factor x live records + min_compact_records (module docstring).
             compact_budget: records a compaction step cleans at least.
         """
-        self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.state_dir = private_dir(Path(state_dir), "pass another --state-dir")
         self.path = self.state_dir / JOURNAL_FILENAME
         self.compact_factor = compact_factor
         self.min_compact_records = min_compact_records

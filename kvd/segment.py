@@ -63,12 +63,12 @@ from kvd.errors import (
     BadArgsError, DeniedError, InUseError, NoSpaceError, NotFoundError, VersionError,
 )
 from kvd.geometry import Geometry
+from kvd.runtime import SHM_DIR
 
 MAGIC = b"KVDSEG\0\1"
 LAYOUT_VERSION = 1
 HEADER_NBYTES = 4096
 PAGE_NBYTES = 4096
-SHM_DIR = "/dev/shm"
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 DTYPE_CODES = {"float16": 1, "float32": 2, "bfloat16": 3}  # 0 stays invalid: a zeroed header fails
 _DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}

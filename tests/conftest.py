@@ -28,10 +28,9 @@ SHARED_TRACES = ROOT.parent / "shared" / "traces"
 # A private runtime dir for the whole run (short: socket paths are limited to 107 bytes).
 _RUNTIME_DIR = tempfile.mkdtemp(prefix="kvdt-", dir="/tmp")
 os.environ["XDG_RUNTIME_DIR"] = _RUNTIME_DIR
-os.environ["XDG_STATE_HOME"] = os.path.join(_RUNTIME_DIR, "state")  # journals
 
 import kvd  # noqa: E402  (after XDG_RUNTIME_DIR: the runtime dir is read at call time anyway)
-from kvd.runtime import DaemonPaths  # noqa: E402
+from kvd.runtime import DaemonPaths, state_dir  # noqa: E402
 
 # Names of daemons started by this run carry RUN_TAG, so the leak checks see only this run's
 # segments even when other test runs share the machine.
@@ -45,10 +44,18 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(_RUNTIME_DIR, ignore_errors=True)
     leaked = kvd_segments()
     for name in leaked:
-        os.unlink(f"/dev/shm/{name}")
+        remove_shm_entry(f"/dev/shm/{name}")
     if leaked and session.exitstatus == 0:
         print(f"\nFAILED: this test run leaked shared-memory segments {sorted(leaked)}")
         session.exitstatus = 1
+
+
+def remove_shm_entry(path: str) -> None:
+    """Remove a segment or a journal directory from /dev/shm."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -66,7 +73,7 @@ def daemon_name(prefix: str = "t") -> str:
 
 
 def kvd_segments() -> set[str]:
-    """This run's kvd segments in /dev/shm."""
+    """This run's kvd segments and default journal directories in /dev/shm."""
     return {name for name in os.listdir("/dev/shm") if name.startswith("kvd") and RUN_TAG in name}
 
 
@@ -101,8 +108,8 @@ class DaemonHandle:
         return kvd.connect(self.name, **kwargs)
 
     def leftovers(self) -> list[str]:
-        return [p for p in ("/dev/shm" + self.paths.segment_name, self.paths.socket_path,
-                            self.paths.pid_path) if os.path.exists(p)]
+        return [p for p in ("/dev/shm" + self.paths.segment_name, str(state_dir(self.name)),
+                            self.paths.socket_path, self.paths.pid_path) if os.path.exists(p)]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -114,7 +121,7 @@ class DaemonHandle:
         left = self.leftovers()
         for path in left:  # clean up before failing so one failure does not cascade
             if path.startswith("/dev/shm/"):
-                os.unlink(path)
+                remove_shm_entry(path)
         if was_running:
             assert self.proc.returncode == 0, (
                 f"daemon {self.name} exited {self.proc.returncode}:\n{self.log()}")

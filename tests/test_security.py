@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 import kvd
-from kvd.runtime import DaemonPaths, runtime_dir
+from kvd.journal import JOURNAL_FILENAME
+from kvd.runtime import DaemonPaths, runtime_dir, state_dir
 
 from conftest import ROOT, child_env, daemon_name
 NOBODY = 65534
@@ -84,6 +85,9 @@ def test_files_are_private(kvd_daemon):
     assert stat.S_IMODE(os.stat(paths.socket_path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(f"/dev/shm{paths.segment_name}").st_mode) == 0o600
     assert stat.S_IMODE(os.stat(paths.lock_path).st_mode) == 0o600
+    journal_dir = state_dir(kvd_daemon.name)  # the default: beside the segment
+    assert stat.S_IMODE(journal_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(journal_dir / JOURNAL_FILENAME).st_mode) == 0o600
 
 
 @pytest.fixture
@@ -135,6 +139,28 @@ def test_runtime_dir_of_another_user_is_refused_and_a_loose_one_is_tightened(tmp
     os.chown(tmp_path / "kvd", NOBODY, NOBODY)
     with pytest.raises(kvd.DeniedError, match="not a directory owned by uid 0"):
         runtime_dir()
+
+
+def test_a_journal_dir_planted_by_another_user_is_refused(tmp_path):
+    """/dev/shm is world-writable: another user could create the default journal directory
+    first and read or forge the index there. The daemon refuses to start and says why."""
+    name = daemon_name()
+    planted = state_dir(name)
+    planted.mkdir(mode=0o777)
+    os.chown(planted, NOBODY, NOBODY)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "kvd.cli", "start", "--name", name, "--num-blocks", "8",
+             "--layers", "1", "--kv-heads", "1", "--head-dim", "8"],
+            env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, result.stderr  # the CLI's code for a refused start
+        assert f"{planted} is not a directory owned by uid 0" in result.stderr, result.stderr
+        assert list(planted.iterdir()) == []  # nothing written into it
+        paths = DaemonPaths.for_name(name)
+        assert not os.path.exists(f"/dev/shm{paths.segment_name}")
+        assert not os.path.exists(paths.socket_path)
+    finally:
+        shutil.rmtree(planted)
 
 
 def test_no_pickle_anywhere_in_kvd():

@@ -89,6 +89,8 @@ class KvdCollector:
             ("kvd_prefix_hit_tokens", "cached_tokens", "Prompt tokens served from the cache"),
             ("kvd_sessions_opened", "sessions_opened", "Sessions opened"),
             ("kvd_sessions_closed", "sessions_closed", "Sessions closed (any reason)"),
+            ("kvd_journal_commits", "journal_commits",
+             "Journal group commits (seals divided by this: how well commits are shared)"),
             ("kvd_journal_failures", "journal_failures", "Failed journal commits or rewrites"),
         ):
             yield CounterMetricFamily(name, text, value=stats[key])

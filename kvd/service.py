@@ -81,7 +81,8 @@ class Service:
         self.page_table = PageTable(pool, geometry.block_size, lambda: next(self._ids), copy_block)
         self.sessions: dict[int, Session] = {}
         self.started_at = time.time()
-        self.counters = {"sessions_opened": 0, "sessions_closed": 0, "journal_failures": 0}
+        self.counters = {"sessions_opened": 0, "sessions_closed": 0, "journal_commits": 0,
+                         "journal_failures": 0}
         self._ops: dict[str, Callable[[Session, dict[str, Any]], Any]] = {
             "hello": self._hello, "alloc": self._alloc, "seal": self._seal,
             "lookup": self._lookup, "release": self._release, "pin": self._pin,

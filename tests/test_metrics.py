@@ -36,7 +36,7 @@ FAKE_STATS = {"free": 5, "owned": 4, "sealed": 3, "cached": 2, "num_blocks": 14,
               "sequences": 1, "allocations": 40, "evictions": 6, "seals": 9, "lookups": 7,
               "lookup_blocks": 20, "hit_blocks": 11, "prompt_tokens": 300, "cached_tokens": 176,
               "sessions_opened": 12, "sessions_closed": 10, "journal": "ok",
-              "journal_failures": 0}
+              "journal_commits": 5, "journal_failures": 0}
 
 
 def test_op_stats_buckets_and_the_collector_exposition():

@@ -36,6 +36,8 @@ import pytest
 
 import kvd
 from conftest import ROOT, child_env, daemon_name, start_daemon_process, wait_ready
+from kvd.daemon import Daemon
+from kvd.geometry import Geometry
 from kvd.journal import JOURNAL_FILENAME
 from kvd.protocol import PROTOCOL_VERSION, FrameDecoder, encode_request, parse_reply, unpack_body
 from kvd.runtime import DaemonPaths, state_dir
@@ -481,6 +483,59 @@ def test_block_sealed_and_evicted_in_one_iteration_is_not_restored(restartable):
         check_absent(client, [key])
         check_fresh_recovery(client)
     daemon.stop_cli()
+
+
+@pytest.fixture
+def inline_daemon(tmp_path: Path) -> Iterator[Daemon]:
+    """A journaled Daemon in this process, served one loop iteration at a time."""
+    name = daemon_name()
+    paths = DaemonPaths.for_name(name, str(tmp_path / "kvd.sock"))
+    daemon = Daemon(paths, Geometry(**{k: GEOMETRY[k] for k in ("num_blocks", "block_size")},
+                                    num_layers=1, num_kv_heads=1, head_dim=8),
+                    state_dir=str(tmp_path / "state"))
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        daemon.serve_forever()  # stopping already: it only cleans up (segment, socket, journal)
+
+
+def test_seals_arriving_while_an_iteration_is_handled_share_its_commit(inline_daemon):
+    """Group commit across clients: once an iteration has a seal to commit, requests that
+    arrived meanwhile join it (one select more, without waiting) instead of paying a commit of
+    their own; no reply goes out before the commit."""
+    sessions = []
+    for _ in range(2):
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.settimeout(10)
+        raw.connect(inline_daemon.paths.socket_path)
+        inline_daemon.serve_once(1.0)  # accept
+        raw.sendall(encode_request(1, "hello", {"version": PROTOCOL_VERSION, "pid": os.getpid()}))
+        inline_daemon.serve_once(1.0)
+        raw.recv(65536)
+        raw.sendall(encode_request(2, "alloc", {"num_blocks": 1}))
+        inline_daemon.serve_once(1.0)
+        sessions.append((raw, parse_reply(unpack_body(FrameDecoder().feed(raw.recv(65536))[0]))[1]))
+    # Both seals are waiting; the first select hands the daemon only one of them, as if the
+    # other had come in while the first was being handled.
+    for index, (raw, block_ids) in enumerate(sessions):
+        raw.sendall(encode_request(3, "seal", {"block_ids": block_ids,
+                                               "hashes": [bytes([index]) * 16]}))
+    select, selects = inline_daemon._selector.select, []
+
+    def one_event_at_a_time(timeout: float | None = None) -> list:
+        selects.append(timeout)
+        return select(timeout)[:1]
+
+    commits = inline_daemon.service.counters["journal_commits"]
+    inline_daemon._selector.select = one_event_at_a_time
+    inline_daemon.serve_once(1.0)
+    assert selects == [1.0, 0]
+    assert inline_daemon.service.counters["journal_commits"] == commits + 1
+    for raw, _ in sessions:
+        assert parse_reply(unpack_body(FrameDecoder().feed(raw.recv(65536))[0]))[1] == [True]
+        raw.close()
 
 
 def test_crash_during_recovery_then_recovery_again(restartable):

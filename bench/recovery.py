@@ -109,8 +109,10 @@ def child_fill(name: str, num_blocks: int) -> None:
         journal.tidy()
     pool.release(block_ids, OWNER)
     num_churned = churn(pool, journal, first_key=num_blocks)
+    journal_nbytes = sum(path.stat().st_size for path in journal.state_dir.iterdir())
     print(json.dumps({"fill_s": time.perf_counter() - started, "num_churned": num_churned,
-                      "num_log_records": journal.num_log_records}), flush=True)
+                      "num_log_records": journal.num_log_records,
+                      "journal_nbytes": journal_nbytes}), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -254,7 +256,8 @@ def bench_recovery(num_blocks: int, repeats: int) -> dict:
             runs.append(row)
         return {"num_blocks": num_blocks, "geometry": GEOMETRY, "goal_s": GOAL_RECOVERY_S,
                 "fill_s": fill["fill_s"], "num_churned": fill["num_churned"],
-                "num_log_records": fill["num_log_records"], "runs": runs,
+                "num_log_records": fill["num_log_records"],
+                "journal_nbytes": fill["journal_nbytes"], "runs": runs,
                 "best_end_to_end_s": min(r["end_to_end_s"] for r in runs),
                 "best_end_to_end_cpu_s": min(r["end_to_end_cpu_s"] for r in runs),
                 "load_average": os.getloadavg()}
@@ -504,7 +507,9 @@ def print_recovery_table(rec: dict) -> None:
     print(f"\nRecovery of a {rec['num_blocks']:,}-block pool after SIGKILL "
           f"(goal <= {rec['goal_s']} s; fill took {rec['fill_s']:.1f} s). The journal's log "
           f"holds {rec['num_log_records']:,} records ({rec['num_churned']:,} blocks replaced "
-          "after the fill: as long as compaction lets it grow)")
+          "after the fill: as long as compaction lets it grow); its files (database and WAL) "
+          f"take {rec['journal_nbytes'] / 2**20:.1f} MiB, "
+          f"{rec['journal_nbytes'] / rec['num_blocks']:.0f} B per cached block")
     columns = ("end_to_end_s", "journal_load_s", "segment_attach_s", "pool_build_s",
                "pool_restore_s", "generation_bump_s", "cli_ready_s")
     print("wall s (CPU s of this process: what a busy machine does not inflate)")

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.errors import BadArgsError, DeniedError, DisconnectedError, InUseError
+from kvd.errors import BadArgsError, DeniedError, DisconnectedError, InUseError, KvdError
 from kvd.geometry import Geometry
 from kvd.hashing import token_bytes
 from kvd.protocol import (
@@ -173,6 +173,10 @@ class Client:
         sock, view = self._sock, self._recv_view
         try:
             sock.sendall(self._encoder.request(request_id, op, args))
+        except OSError as exc:
+            self._raise_parting_error()
+            raise DisconnectedError(f"lost the kvd daemon at {self.socket_path}: {exc}") from None
+        try:
             while True:  # one request in flight: the first complete frame is its reply
                 nbytes = sock.recv_into(view)
                 if not nbytes:
@@ -188,6 +192,24 @@ class Client:
             raise DisconnectedError(f"reply {reply_id} does not answer request {request_id}: "
                                     "the session is out of step, reconnect")
         return result
+
+    def _raise_parting_error(self) -> None:
+        """Raise the error the daemon sent before closing, if any. A daemon refusing a
+        connection (another uid) sends one error frame and closes at once, so a request sent
+        after that fails with EPIPE while the frame waits unread in our socket."""
+        data = bytearray()
+        try:
+            self._sock.setblocking(False)
+            while chunk := self._sock.recv(65536):
+                data += chunk
+        except OSError:
+            pass  # nothing (more) buffered
+        try:
+            bodies = self._decoder.feed(bytes(data))
+        except KvdError:
+            return  # not a frame: a plain disconnect
+        if bodies:
+            parse_reply(unpack_body(bodies[0]))  # raises the error it carries
 
     def _reconnect(self, lost: DisconnectedError) -> None:
         """Retry the connection with exponential backoff for up to reconnect_timeout_s."""

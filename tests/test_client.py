@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 import kvd
+import kvd.client as client_module
+from kvd.protocol import encode_error
 
 pytestmark = pytest.mark.integration
 
@@ -215,6 +217,39 @@ def test_a_missing_or_stopped_daemon_is_a_disconnected_error(kvd_daemon):
         assert kvd_daemon.proc.wait(20) == 0
         with pytest.raises(kvd.DisconnectedError, match="no daemon came back"):
             client.stats()
+
+
+def test_a_refusal_sent_before_the_hello_is_the_error_raised_not_a_disconnect(tmp_path,
+                                                                              monkeypatch):
+    """A daemon refusing a connection (another uid) sends its error frame and closes at once;
+    when that happens before the client's hello goes out, the send fails with EPIPE and the
+    client must still raise the daemon's error (DeniedError), not DisconnectedError."""
+    path = str(tmp_path / "kvd.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+    refused = threading.Event()
+
+    def refuse() -> None:
+        sock, _ = listener.accept()  # (of the patched class too: it must not use sendall)
+        sock.send(encode_error(None, kvd.DeniedError("this daemon serves uid 0 only")))
+        sock.close()
+        refused.set()
+
+    class SendsAfterTheRefusal(socket.socket):
+        def sendall(self, data: bytes, *args: object) -> None:
+            refused.wait(10)  # the worst order: the daemon is gone before the hello is sent
+            super().sendall(data, *args)
+
+    monkeypatch.setattr(client_module.socket, "socket", SendsAfterTheRefusal)
+    thread = threading.Thread(target=refuse)
+    thread.start()
+    try:
+        with pytest.raises(kvd.DeniedError, match="serves uid 0 only"):
+            kvd.connect(path, reconnect_timeout_s=0)
+    finally:
+        thread.join(10)
+        listener.close()
 
 
 def test_raw_seals_with_parents_and_tiers_reach_the_prefix_tree(daemon_factory):

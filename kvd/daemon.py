@@ -330,26 +330,27 @@ class Daemon:
         serve_forever calls it; bench/request_path.py calls it inline to measure the request
         path without a scheduler in between.
         """
-        self._handle_events(self._selector.select(timeout_s))
-        journal = self.journal
-        if journal is not None and journal.num_seals_pending and len(self._connections) > 1:
+        events = self._selector.select(timeout_s)
+        for is_first_pass in (True, False):  # no call layer per iteration (see above)
+            for key, mask in events:
+                handler, connection = key.data
+                try:
+                    handler(connection, mask)
+                except Exception:  # a kvd bug: drop the one connection involved, keep serving
+                    log.exception("internal error in %s", handler.__name__)
+                    if connection is not None:
+                        self._close(connection, "internal error")
+            journal = self.journal
+            if not (is_first_pass and journal is not None and journal.num_seals_pending
+                    and len(self._connections) > 1):
+                break
             # Group commit: requests that arrived while this iteration's were handled share
             # its commit (one more select, not waiting) instead of paying one of their own.
-            self._handle_events(self._selector.select(0))
+            events = self._selector.select(0)
         self._commit_and_reply()
         # The replies are out: while the clients think, ask the policy for the next victim of
         # a full pool, a third of the next allocation's eviction (kvd/pool.py).
         self.service.pool.choose_next_victim()
-
-    def _handle_events(self, events: list[tuple[selectors.SelectorKey, int]]) -> None:
-        for key, mask in events:
-            handler, connection = key.data
-            try:
-                handler(connection, mask)
-            except Exception:  # a kvd bug: drop the one connection involved, keep serving
-                log.exception("internal error in %s", handler.__name__)
-                if connection is not None:
-                    self._close(connection, "internal error")
 
     def _on_listener(self, _: None, mask: int) -> None:
         self._accept()

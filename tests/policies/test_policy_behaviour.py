@@ -126,3 +126,15 @@ def test_kvd_far_small_ghost_hit_admits_without_growing() -> None:
     assert policy.small_target == start and 0 in policy
     policy.inserted(9)  # |S| + 0: within it
     assert policy.small_target > start
+
+
+def test_kvd_main_is_lru_not_clock() -> None:
+    """A hit in M moves the key to M's tail and earns no extra lap (S3-FIFO's counter would)."""
+    policy = AdaptiveS3FIFOPolicy(10)  # S's target: 2 blocks
+    fill(policy, "abcde")
+    for key in "abc":
+        policy.accessed(key)  # hits in S: counters that earn promotion
+    assert policy.victim() == "d"  # a, b, c promoted to M with counters cleared; S = [e]
+    for key in "bbba":
+        policy.accessed(key)  # M = [c, b, a] by recency; no counters
+    assert [policy.victim() for _ in range(4)] == ["c", "b", "a", "e"]

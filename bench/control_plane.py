@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import selectors
 import shutil
@@ -33,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +42,7 @@ from bench.common import (
     Daemon,
     child_env,
     markdown_table,
+    one_cpu,
     percentiles,
     progress,
     pyplot,
@@ -312,26 +311,6 @@ def measure_event_loops(num_requests: int) -> dict[str, Any]:
                 client.close()
     return {name: {**percentiles(samples[name]),
                    "server_cpu_us": cpu[name] / len(samples[name]) / 1e3} for name in samples}
-
-
-@contextlib.contextmanager
-def one_cpu(*pids: int) -> Iterator[None]:
-    """Pin these processes to one CPU for the block, then restore their CPU sets.
-
-    Cross-process round trips on a small VM depend on where the scheduler puts the client and
-    each server: on one vCPU or two (an IPI, maybe a halted vCPU to wake), next to whatever else
-    runs. Between identical runs that moved the batch-1 ratio from 0.8x to 3x. With the client,
-    the echo server and the daemon on one CPU, kvd and its floor always meet the same conditions.
-    """
-    saved = {pid: os.sched_getaffinity(pid) for pid in pids}
-    cpu = min(saved[os.getpid()])
-    try:
-        for pid in pids:
-            os.sched_setaffinity(pid, {cpu})
-        yield
-    finally:
-        for pid, cpus in saved.items():
-            os.sched_setaffinity(pid, cpus)
 
 
 def _scratch() -> dict[str, list[int]]:

@@ -32,6 +32,12 @@ hits both alike):
   * one client: alloc → seal → release; blocks sealed per second of seal calls (the round trip
     the client waits for, commit included) and per second of the whole loop, medians over
     rounds. Every seal is its own group commit: the worst case for the journal;
+  * the same one client with itself and both daemons pinned to one CPU: free-running on a small
+    VM, a round trip swings 2x with where the scheduler puts client and daemon (one vCPU or
+    two, a halted vCPU to wake), in both modes but not alike: over eight runs of one build the
+    free-running cost at batch 16 moved between 18% and 31% (rounds) and 34% and 44% (seal
+    calls); on one CPU both modes meet the same conditions and the cost is the journal's work
+    against everything else a round does;
   * four clients (processes) doing the same at once; blocks sealed per second of the loop, all
     clients together (their seals share group commits);
   * in both, the daemon's CPU time per sealed block (alloc, seal and release included), from
@@ -60,7 +66,7 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.common import printed_section, write_json
+from bench.common import one_cpu, printed_section, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 GEOMETRY = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "block_size": 1,
@@ -408,10 +414,13 @@ def bench_seal_scenario(scenario: str, seconds: float, batch_sizes: tuple[int, .
         if scenario == "full":
             for client in bench.clients.values():
                 seal_round(client, 4096, 0.0, [1 << 60], num_rounds=num_blocks // 4096)
-        rows: dict[str, dict] = {"1_client": {}, f"{NUM_CLIENTS}_clients": {}}
+        rows: dict[str, dict] = {"1_client": {}, "1_client_one_cpu": {},
+                                 f"{NUM_CLIENTS}_clients": {}}
+        pinned = (os.getpid(), *(proc.pid for proc in procs.values()))
         for batch_size in batch_sizes:
             progress(f"seal throughput, {scenario} pool, batch {batch_size} ...")
             one: dict[str, list] = {mode: [] for mode in names}
+            one_cpu_rounds: dict[str, list] = {mode: [] for mode in names}
             many: dict[str, list] = {mode: [] for mode in names}
             next_key = [0]
             for round_index in range(num_rounds):
@@ -419,8 +428,12 @@ def bench_seal_scenario(scenario: str, seconds: float, batch_sizes: tuple[int, .
                 for mode in list(names)[::1 if round_index % 2 else -1]:
                     one[mode].append(bench.one_client(mode, batch_size, seconds / num_rounds,
                                                       next_key))
+                    with one_cpu(*pinned):
+                        one_cpu_rounds[mode].append(
+                            bench.one_client(mode, batch_size, seconds / num_rounds, next_key))
                     many[mode].append(bench.many_clients(mode, batch_size, seconds / num_rounds))
             rows["1_client"][str(batch_size)] = summarise(one)
+            rows["1_client_one_cpu"][str(batch_size)] = summarise(one_cpu_rounds)
             rows[f"{NUM_CLIENTS}_clients"][str(batch_size)] = summarise(many)
         return {"num_blocks": num_blocks, "clients": rows, "load_average": os.getloadavg()}
     finally:
@@ -538,8 +551,9 @@ def print_seal_table(clients: dict) -> None:
     print(f"{'':13}" + "".join(f"{name:>30}" for name in header))
     print(f"{'clients batch':13}" + f"{'plain':>10}{'journal':>10}{'cost':>10}" * len(header))
     for num_clients, batches in clients.items():
+        label = num_clients.split("_")[0] + (" 1CPU" if num_clients.endswith("one_cpu") else "")
         for batch, row in batches.items():
-            line = f"{num_clients.split('_')[0]:>7} {batch:>5}"
+            line = f"{label:>7} {batch:>5}"
             for metric, scale in (("seal_call_blocks_per_s", 1e3), ("blocks_per_s", 1e3),
                                   ("cpu_us_per_block", 1)):
                 if metric not in row:

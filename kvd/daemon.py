@@ -17,11 +17,12 @@ writes the pidfile. `serve_forever()` then multiplexes with `selectors`:
     signal pipe        SIGTERM/SIGINT (set_wakeup_fd) stop the loop
 
 After each iteration's handlers (`serve_once`), the journal commits what they changed (one group
-commit; when a seal awaits it and other clients are connected, one more non-blocking select first
-lets requests that arrived meanwhile join it — a commit is most of a journaled seal's cost, and
-this is what shares it under concurrency), then every held reply goes out, then the idle work no reply waits for: the journal's
-upkeep (kvd/journal.py: compaction steps and WAL checkpoints) and, on a full pool, choosing the
-next victim ahead of the next allocation (kvd/pool.py).
+commit: the seals of every client served in the iteration share it), then every held reply goes
+out, then the idle work no reply waits for: the journal's upkeep (kvd/journal.py: compaction
+steps and WAL checkpoints) and, on a full pool, choosing the next victim ahead of the next
+allocation (kvd/pool.py). (One more non-blocking select before the commit, to let requests that
+arrived meanwhile join it, was measured and dropped: with 4 clients at batch 16 it cost 5-8
+points of seal throughput, bench/recovery.py.)
 
 A connection is closed for framing errors (the byte stream is unsynchronised), when its peer
 dies, and when it lets more than MAX_OUTPUT_NBYTES of replies pile up unread. Closing releases the
@@ -330,23 +331,14 @@ class Daemon:
         serve_forever calls it; bench/request_path.py calls it inline to measure the request
         path without a scheduler in between.
         """
-        events = self._selector.select(timeout_s)
-        for is_first_pass in (True, False):  # no call layer per iteration (see above)
-            for key, mask in events:
-                handler, connection = key.data
-                try:
-                    handler(connection, mask)
-                except Exception:  # a kvd bug: drop the one connection involved, keep serving
-                    log.exception("internal error in %s", handler.__name__)
-                    if connection is not None:
-                        self._close(connection, "internal error")
-            journal = self.journal
-            if not (is_first_pass and journal is not None and journal.num_seals_pending
-                    and len(self._connections) > 1):
-                break
-            # Group commit: requests that arrived while this iteration's were handled share
-            # its commit (one more select, not waiting) instead of paying one of their own.
-            events = self._selector.select(0)
+        for key, mask in self._selector.select(timeout_s):
+            handler, connection = key.data
+            try:
+                handler(connection, mask)
+            except Exception:  # a kvd bug: drop the one connection involved, keep serving
+                log.exception("internal error in %s", handler.__name__)
+                if connection is not None:
+                    self._close(connection, "internal error")
         self._commit_and_reply()
         # The replies are out: while the clients think, ask the policy for the next victim of
         # a full pool, a third of the next allocation's eviction (kvd/pool.py).

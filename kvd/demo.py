@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvd demo: left behind {', '.join(left)}: remove them by hand", file=sys.stderr)
         return status or 1
     if status == 0:
-        print("nothing left behind: no socket, pidfile or /dev/shm segment")
+        print("nothing left behind: no socket, pidfile, segment or journal")
     return status
 
 

@@ -321,7 +321,7 @@ def seal_worker(index: int, names: dict[str, str], conn) -> None:
 def process_cpu_s(pid: int) -> float:
     """CPU seconds every live thread of process `pid` has run so far, to the nanosecond
     (/proc/PID/stat's ticks are 10 ms: too coarse for a 0.2 s round; /proc/PID/schedstat
-    counts the main thread only, and the journaled daemon commits in a thread of its own)."""
+    counts the main thread only, and a daemon with --metrics-port serves them from another)."""
     total_ns = 0
     for task in os.listdir(f"/proc/{pid}/task"):
         try:

@@ -261,7 +261,7 @@ class Journal:
         # Read once (os.environ costs ~1 us a look, on every commit).
         self._fail_file = os.environ.get("KVD_JOURNAL_FAIL_FILE")
         try:
-            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._db = sqlite3.connect(self.path, isolation_level=None)
             # One writer (the daemon holds the name's flock anyway): no shared-memory WAL index
             # and no file locking per transaction saves ~5 us of CPU per commit (of ~25 at batch
             # 1). Nobody else can read the journal while it is open; a crash leaves the WAL,

@@ -414,12 +414,9 @@ class Journal:
         log.unsettled.append((log.next_chunk_id, evictions, seals))
         log.seal_seq += len(seals)
         log.num_appended += len(records)
-        if len(records) <= MAX_CHUNK_RECORDS:
-            self._write_chunks(log, key_width, [b"".join(records)])
-        else:
-            self._write_chunks(log, key_width, [b"".join(records[start:start + MAX_CHUNK_RECORDS])
-                                                for start in range(0, len(records),
-                                                                   MAX_CHUNK_RECORDS)])
+        self._write_chunks(log, key_width, [b"".join(records[start:start + MAX_CHUNK_RECORDS])
+                                            for start in range(0, len(records),
+                                                               MAX_CHUNK_RECORDS)])
 
     def _write_chunks(self, log: _LogState, key_width: int, blobs: list[bytes]) -> None:
         """Insert `blobs` as the next chunks, each of whole records of `key_width`."""

@@ -17,7 +17,9 @@ If the daemon goes away mid-session (a crash followed by `kvd start --recover`, 
 with `kvd stop --keep`), the next call reconnects with bounded exponential backoff. Ops that hold
 nothing from the lost session are retried (RETRIED_OPS), ops that only drop pins succeed
 (SATISFIED_BY_RESTART), and the rest raise DisconnectedError once reconnected, because the
-blocks or sequences they name died with the old session. A recovered daemon serves the same
+blocks or sequences they name died with the old session. Pins a caller took before the restart
+died too, even when the call that noticed it was retried: releasing them then raises
+NotFoundError. A recovered daemon serves the same
 segment, so every view stays valid.
 
 Views are built with `np.frombuffer` over the mapping, so `close()` raises InUseError while any

@@ -306,6 +306,15 @@ def test_a_reopened_journal_compacts_what_an_earlier_one_wrote(tmp_path):
         journal.close()
 
 
+def heals_and_compacts(journal: Journal, model: ChurnModel, fail_file: Path,
+                       state_dir: Path) -> None:
+    """Once writes work again, the journal re-reads its log, compacts it and replays exactly."""
+    fail_file.unlink()
+    for _ in range(100):
+        model.step(journal)
+    assert loaded(state_dir) == model.expected()
+
+
 def test_a_rewrite_then_a_failed_commit_leave_a_log_that_compacts_correctly(tmp_path,
                                                                             monkeypatch):
     fail_file = tmp_path / "fail"
@@ -320,10 +329,7 @@ def test_a_rewrite_then_a_failed_commit_leave_a_log_that_compacts_correctly(tmp_
         seal(journal, 1000, b"lost")
         with pytest.raises(JournalError):
             journal.commit()
-        fail_file.unlink()
-        for _ in range(100):  # the journal re-reads its log, then compacts it
-            model.step(journal)
-        assert loaded(tmp_path / "state") == model.expected()
+        heals_and_compacts(journal, model, fail_file, tmp_path / "state")
     finally:
         journal.close()
 
@@ -396,10 +402,7 @@ def test_a_failed_upkeep_raises_journal_error_and_loses_nothing(tmp_path, monkey
         with pytest.raises(JournalError, match="injected"):
             journal.tidy()  # ... but its compaction step fails
         assert loaded(tmp_path / "state") == model.expected()
-        fail_file.unlink()
-        for _ in range(100):  # the journal re-reads its log, then compacts it
-            model.step(journal)
-        assert loaded(tmp_path / "state") == model.expected()
+        heals_and_compacts(journal, model, fail_file, tmp_path / "state")
     finally:
         journal.close()
 

@@ -200,34 +200,29 @@ class _LogState:
         self.num_live = 0  # blocks with a live SEAL record, as of the last settle()
         self.seal_seq = 0  # the last seal_seq handed out
         self.next_chunk_id = 1
-        # Commits not yet reflected in chunk_of and num_live: (first chunk id, evicted block
-        # ids, sealed rows), applied by settle() in batches, so that no reply waits for them.
-        self.unsettled: list[tuple[int, Sequence[int], Sequence[JournalRow]]] = []
+        # Chunks appended by commits and not yet reflected in chunk_of and num_live, as
+        # (chunk id, key width, records), applied by settle() in batches, so that no reply waits
+        # for them.
+        self.unsettled: list[tuple[int, int, bytes]] = []
         self.num_appended = 0  # records appended by commits since the last settle()
 
     def settle(self) -> None:
         """Bring `chunk_of` and `num_live` up to date with every commit so far, in one
-        vectorised pass over the commits since the last call (a loop per commit cost ~4 us of
-        a batch-16 commit's upkeep)."""
-        block_ids, chunk_ids = array("q"), array("q")
-        for first_chunk_id, evictions, seals in self.unsettled:
-            block_ids.extend(evictions)
-            chunk_ids.extend(repeat(0, len(evictions)))  # a tombstone: no live record
-            block_ids.extend([row[0] for row in seals])
-            if len(evictions) + len(seals) <= MAX_CHUNK_RECORDS:  # one chunk, the usual case
-                chunk_ids.extend(repeat(first_chunk_id, len(seals)))
-            else:
-                chunk_ids.extend([first_chunk_id + position // MAX_CHUNK_RECORDS for position
-                                  in range(len(evictions), len(evictions) + len(seals))])
+        vectorised pass that decodes the chunks appended since the last call (a Python loop
+        over their rows cost ~3 us per batch-16 commit, bench/recovery.py's commit table)."""
+        runs = _runs(self.unsettled)
         self.unsettled.clear()
         self.num_appended = 0
-        if not block_ids:
+        if not runs:
             return
-        placed = np.frombuffer(block_ids, dtype=np.int64)
+        placed = np.concatenate([records["block_id"] for records, _ in runs]).astype(np.int64)
+        # A tombstone leaves its block no live record: chunk 0.
+        placed_in = np.concatenate([np.where(records["kind"] == SEAL, chunk_ids, 0)
+                                    for records, chunk_ids in runs])
         self.reserve(int(placed.max()))
         # Each block's last record in log order decides: the first in the reversed order.
         blocks, reversed_at = np.unique(placed[::-1], return_index=True)
-        chunks = np.frombuffer(chunk_ids, dtype=np.int64)[placed.size - 1 - reversed_at]
+        chunks = placed_in[placed.size - 1 - reversed_at]
         chunk_of = np.frombuffer(self.chunk_of, dtype=np.int64)
         self.num_live += int(np.count_nonzero(chunks)) - int(np.count_nonzero(chunk_of[blocks]))
         chunk_of[blocks] = chunks
@@ -411,22 +406,27 @@ class Journal:
                    in enumerate(seals, log.seal_seq + 1)]
         if evictions:
             records[:0] = map(_tombstone_struct(key_width).pack, evictions, repeat(EVICT))
-        log.unsettled.append((log.next_chunk_id, evictions, seals))
         log.seal_seq += len(seals)
         log.num_appended += len(records)
-        self._write_chunks(log, key_width, [b"".join(records[start:start + MAX_CHUNK_RECORDS])
-                                            for start in range(0, len(records),
-                                                               MAX_CHUNK_RECORDS)])
+        log.unsettled += self._write_chunks(
+            log, key_width, [b"".join(records[start:start + MAX_CHUNK_RECORDS])
+                             for start in range(0, len(records), MAX_CHUNK_RECORDS)])
 
-    def _write_chunks(self, log: _LogState, key_width: int, blobs: list[bytes]) -> None:
-        """Insert `blobs` as the next chunks, each of whole records of `key_width`."""
+    def _write_chunks(self, log: _LogState, key_width: int,
+                      blobs: list[bytes]) -> list[tuple[int, int, bytes]]:
+        """Insert `blobs` as the next chunks, each of whole records of `key_width`; returns
+        them as (chunk id, key width, records)."""
         record_nbytes = _HEADER_NBYTES + key_width
+        written = []
         for blob in blobs:  # one execute per chunk: cheaper than executemany for the usual one
-            self._cursor.execute(_INSERT_CHUNK, (log.next_chunk_id, key_width, blob))
+            row = (log.next_chunk_id, key_width, blob)
+            self._cursor.execute(_INSERT_CHUNK, row)
+            written.append(row)
             log.chunks.append((log.next_chunk_id, len(blob) // record_nbytes))
             log.num_records += len(blob) // record_nbytes
             log.next_chunk_id += 1
             self._num_wal_nbytes += len(blob) + PAGE_NBYTES  # and the B-tree's last leaf page
+        return written
 
     def _compact(self, log: _LogState, budget: int) -> None:
         """Clean the oldest chunks worth about `budget` records: keep their live records only."""

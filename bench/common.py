@@ -195,17 +195,24 @@ def bench_main(doc: str, run_bench: Callable[[bool, Path], str],
 
 @contextlib.contextmanager
 def one_cpu(*pids: int) -> Iterator[None]:
-    """Pin these processes to one CPU for the block, then restore their CPU sets.
+    """Pin these processes to one CPU (the lowest this process may use) for the block.
 
     Cross-process round trips on a small VM depend on where the scheduler puts the client and
     each server: on one vCPU or two (an IPI, maybe a halted vCPU to wake), next to whatever else
     runs. Between identical runs that moved the batch-1 ratio from 0.8x to 3x. With the client,
     the echo server and the daemon on one CPU, kvd and its floor always meet the same conditions.
     """
-    saved = {pid: os.sched_getaffinity(pid) for pid in pids}
-    cpu = min(saved[os.getpid()])
+    cpu = min(os.sched_getaffinity(os.getpid()))
+    with pinned({pid: cpu for pid in pids}):
+        yield
+
+
+@contextlib.contextmanager
+def pinned(cpu_of: dict[int, int]) -> Iterator[None]:
+    """Pin each process to its CPU for the block, then restore their CPU sets."""
+    saved = {pid: os.sched_getaffinity(pid) for pid in cpu_of}
     try:
-        for pid in pids:
+        for pid, cpu in cpu_of.items():
             os.sched_setaffinity(pid, {cpu})
         yield
     finally:

@@ -23,6 +23,10 @@ sockets): CPU and wall time per commit at batch 1, 16 and 256 in the steady stat
 allocation evicts, the log as long as compaction lets it grow), and of the upkeep after it
 (Journal.tidy: compaction steps and WAL checkpoints, which the daemon runs once the replies are
 out); the mean wall time of both is what a commit costs amortised, the max the longest stall.
+Beside that pool, a second full pool without a journal runs the same alloc → seal → release
+rounds, the two taking turns slice by slice: CPU per round with and without the journal, the
+journal's share of the metadata work itself (no sockets, scheduler or cold caches, so no
+placement moves it), with the seal step and the journal's commit and upkeep shown apart.
 
 Seal throughput. Two real daemons side by side, one journaled and one `--no-journal`, in two
 scenarios (SEAL_POOL_BLOCKS): a fresh pool that never evicts, and a full one where every
@@ -452,7 +456,12 @@ def bench_commit_cost(seconds: float, batch_sizes: tuple[int, ...] = BATCH_SIZES
     of each commit of a round's evictions and seals (what a seal's reply waits for) and of the
     upkeep after it (compaction steps, WAL checkpoints: what the daemon does once the replies
     are out), in the steady state where the log is as long as compaction lets it grow; max wall
-    is the longest stall a commit and its upkeep caused together."""
+    is the longest stall a commit and its upkeep caused together.
+
+    Next to it, the same rounds (alloc → seal → release, and commit + upkeep where there is a
+    journal) on a second full pool without one, taking turns slice by slice: the CPU a round
+    costs with and without the journal, with no scheduler, socket or cold cache in between —
+    the journal's own share of a round, the figure no placement moves."""
     from kvd.journal import Journal
     from kvd.pool import BlockPool
 
@@ -463,44 +472,84 @@ def bench_commit_cost(seconds: float, batch_sizes: tuple[int, ...] = BATCH_SIZES
         with tempfile.TemporaryDirectory() as state_dir:
             journal = Journal(state_dir)
             pool = BlockPool(num_blocks, "default", observer=journal)
-            block_ids = pool.allocate(num_blocks, OWNER)
+            plain_pool = BlockPool(num_blocks, "default")
             for start in range(0, num_blocks, 4096):
-                pool.seal(block_ids[start:start + 4096], digests(start, 4096), OWNER)
+                for each in (pool, plain_pool):
+                    block_ids = each.allocate(4096, OWNER)
+                    each.seal(block_ids, digests(start, 4096), OWNER)
+                    each.release(block_ids, OWNER)
                 journal.commit()
                 journal.tidy()
-            pool.release(block_ids, OWNER)
             next_key = num_blocks + churn(pool, journal, first_key=num_blocks)
-            rows[str(batch_size)] = time_commits(pool, journal, batch_size, seconds, next_key)
+            samples: dict[str, list[int]] = {step: [] for step in ROUND_STEPS}
+            plain: dict[str, list[int]] = {step: [] for step in ROUND_STEPS}
+            for _ in range(NUM_SLICES):  # taking turns: machine noise hits both pools alike
+                next_key = time_rounds(pool, journal, batch_size, seconds / NUM_SLICES / 2,
+                                       next_key, samples)
+                next_key = time_rounds(plain_pool, None, batch_size, seconds / NUM_SLICES / 2,
+                                       next_key, plain)
+            rows[str(batch_size)] = summarise_commits(samples, plain)
+            rows[str(batch_size)].update(num_log_records=journal.num_log_records,
+                                         num_live=pool.num_cached)
             journal.close()
     return {"num_blocks": num_blocks, "batches": rows}
 
 
-def time_commits(pool, journal, batch_size: int, seconds: float, next_key: int) -> dict:
-    cpu_ns, wall_ns, tidy_cpu_ns, total_wall_ns = [], [], [], []
+ROUND_STEPS = ("seal", "commit", "commit_wall", "tidy", "total_wall", "round")
+NUM_SLICES = 10
+
+
+def time_rounds(pool, journal, batch_size: int, seconds: float, next_key: int,
+                samples: dict[str, list[int]]) -> int:
+    """alloc → seal → commit → tidy → release rounds for `seconds` (without a journal, the
+    commit and tidy steps are calls that do nothing, and every clock is read alike); appends
+    nanoseconds per round to `samples` (CPU: seal, commit, tidy, round; wall: commit_wall,
+    total_wall = commit and tidy); returns the next unused key."""
     cpu_clock, wall_clock = time.thread_time_ns, time.perf_counter_ns
+    commit, tidy = (journal.commit, journal.tidy) if journal is not None else (_nothing, _nothing)
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
-        block_ids = pool.allocate(batch_size, OWNER)
-        pool.seal(block_ids, digests(next_key, batch_size), OWNER)
+        keys = digests(next_key, batch_size)
         next_key += batch_size
-        cpu, wall = cpu_clock(), wall_clock()
-        journal.commit()
-        tidy_cpu, tidy_wall = cpu_clock(), wall_clock()
-        journal.tidy()
-        done_cpu, done_wall = cpu_clock(), wall_clock()
-        cpu_ns.append(tidy_cpu - cpu)
-        wall_ns.append(tidy_wall - wall)
-        tidy_cpu_ns.append(done_cpu - tidy_cpu)
-        total_wall_ns.append(done_wall - wall)
+        started = cpu_clock()
+        block_ids = pool.allocate(batch_size, OWNER)
+        sealing = cpu_clock()
+        pool.seal(block_ids, keys, OWNER)
+        sealed, wall = cpu_clock(), wall_clock()
+        commit()
+        committed, committed_wall = cpu_clock(), wall_clock()
+        tidy()
+        tidied, tidied_wall = cpu_clock(), wall_clock()
         pool.release(block_ids, OWNER)
-    wall_ns.sort()
-    return {"num_commits": len(cpu_ns), "cpu_us": statistics.mean(cpu_ns) / 1e3,
-            "wall_us_p50": wall_ns[len(wall_ns) // 2] / 1e3,
-            "wall_us_p99": wall_ns[len(wall_ns) * 99 // 100] / 1e3,
-            "tidy_cpu_us": statistics.mean(tidy_cpu_ns) / 1e3,
-            "total_wall_us_mean": statistics.mean(total_wall_ns) / 1e3,
-            "total_wall_us_max": max(total_wall_ns) / 1e3,
-            "num_log_records": journal.num_log_records, "num_live": pool.num_cached}
+        done = cpu_clock()
+        samples["seal"].append(sealed - sealing)
+        samples["commit"].append(committed - sealed)
+        samples["commit_wall"].append(committed_wall - wall)
+        samples["tidy"].append(tidied - committed)
+        samples["total_wall"].append(tidied_wall - wall)
+        samples["round"].append(done - started)
+    return next_key
+
+
+def _nothing() -> None:
+    pass
+
+
+def summarise_commits(samples: dict[str, list[int]], plain: dict[str, list[int]]) -> dict:
+    commit_wall = sorted(samples["commit_wall"])
+    journal_round, plain_round = (statistics.mean(rounds["round"]) for rounds in (samples, plain))
+    return {"num_commits": len(samples["commit"]),
+            "cpu_us": statistics.mean(samples["commit"]) / 1e3,
+            "wall_us_p50": commit_wall[len(commit_wall) // 2] / 1e3,
+            "wall_us_p99": commit_wall[len(commit_wall) * 99 // 100] / 1e3,
+            "tidy_cpu_us": statistics.mean(samples["tidy"]) / 1e3,
+            "total_wall_us_mean": statistics.mean(samples["total_wall"]) / 1e3,
+            "total_wall_us_max": max(samples["total_wall"]) / 1e3,
+            "seal_cpu_us": statistics.mean(samples["seal"]) / 1e3,
+            "plain_seal_cpu_us": statistics.mean(plain["seal"]) / 1e3,
+            "round_cpu_us": journal_round / 1e3, "plain_round_cpu_us": plain_round / 1e3,
+            "num_plain_rounds": len(plain["round"]),
+            "journal_cost": 1 - plain_round / journal_round}
 
 
 # ---- driver ---------------------------------------------------------------------------------
@@ -544,6 +593,15 @@ def print_commit_table(commits: dict) -> None:
               f"{row['wall_us_p99']:7.1f} {row['tidy_cpu_us']:8.1f} "
               f"{row['total_wall_us_mean']:10.1f} {row['total_wall_us_max']:7.0f} "
               f"{row['num_log_records'] / row['num_live']:9.2f}")
+    print("\nThe same rounds (alloc → seal → release; commit + upkeep with the journal) on a full "
+          "pool with and without a journal, in turns; CPU us per round, means")
+    print(f"{'':5} {'round':>17} {'seal':>17} {'journal only':>15}")
+    print(f"{'batch':>5} {'plain':>8} {'journal':>8} {'plain':>8} {'journal':>8} {'commit':>7} "
+          f"{'upkeep':>7} {'cost':>7}")
+    for batch, row in commits["batches"].items():
+        print(f"{batch:>5} {row['plain_round_cpu_us']:8.1f} {row['round_cpu_us']:8.1f} "
+              f"{row['plain_seal_cpu_us']:8.1f} {row['seal_cpu_us']:8.1f} {row['cpu_us']:7.1f} "
+              f"{row['tidy_cpu_us']:7.1f} {row['journal_cost']:7.1%}")
 
 
 def print_seal_table(clients: dict) -> None:

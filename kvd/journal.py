@@ -215,10 +215,10 @@ class _LogState:
         self.num_appended = 0
         if not runs:
             return
-        placed = np.concatenate([records["block_id"] for records, _ in runs]).astype(np.int64)
+        placed = _joined([records["block_id"] for records, _ in runs]).astype(np.int64)
         # A tombstone leaves its block no live record: chunk 0.
-        placed_in = np.concatenate([np.where(records["kind"] == SEAL, chunk_ids, 0)
-                                    for records, chunk_ids in runs])
+        placed_in = _joined([np.where(records["kind"] == SEAL, chunk_ids, 0)
+                             for records, chunk_ids in runs])
         self.reserve(int(placed.max()))
         # Each block's last record in log order decides: the first in the reversed order.
         blocks, reversed_at = np.unique(placed[::-1], return_index=True)

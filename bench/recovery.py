@@ -83,6 +83,9 @@ COMMIT_EVERY = 65_536
 OWNER = 1
 GOAL_RECOVERY_S = 2.0
 GOAL_JOURNAL_COST = 0.20
+# The in-process rounds: what each one times, and in how many turns the two pools take them.
+ROUND_STEPS = ("seal", "commit", "commit_wall", "tidy", "total_wall", "round")
+NUM_SLICES = 10
 
 
 def progress(message: str) -> None:
@@ -493,10 +496,6 @@ def bench_commit_cost(seconds: float, batch_sizes: tuple[int, ...] = BATCH_SIZES
                                          num_live=pool.num_cached)
             journal.close()
     return {"num_blocks": num_blocks, "batches": rows}
-
-
-ROUND_STEPS = ("seal", "commit", "commit_wall", "tidy", "total_wall", "round")
-NUM_SLICES = 10
 
 
 def time_rounds(pool, journal, batch_size: int, seconds: float, next_key: int,

@@ -88,6 +88,17 @@ class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
         elif not self._pinned.get(key):  # a pinned M key moves when it is released
             super().accessed(key)  # a key in S: its counter earns promotion
 
+    def hit_evictable(self, key: Hashable) -> None:
+        # accessed() then removed() in one call: an M key's move to the end would be undone by
+        # its removal at once, so only S keys have a reward to keep (their counter).
+        if key in self._small:
+            S3FIFOPolicy.accessed(self, key)
+            del self._small[key]
+            self._pinned[key] = False
+        else:
+            del self._main[key]
+            self._pinned[key] = True
+
     def _evict_to_ghost(self, key: Hashable) -> Hashable:
         super()._evict_to_ghost(key)
         self._num_small_evictions += 1

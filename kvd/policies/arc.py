@@ -78,6 +78,11 @@ class ARCPolicy(EvictionPolicy):
             del self._t2[key]
             self._pinned[key] = True
 
+    def hit_evictable(self, key: Hashable) -> None:
+        # The hit moves a T1 key to T2 and the removal takes it out of T2: pinned as a T2 key.
+        del (self._t1 if key in self._t1 else self._t2)[key]
+        self._pinned[key] = True
+
     def discard(self, key: Hashable) -> None:
         del (self._t1 if key in self._t1 else self._t2)[key]
 

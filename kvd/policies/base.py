@@ -16,6 +16,11 @@ A policy never touches memory, the free list or ref counts. The pool tells it fi
                          unreachable when its prefix parent was the victim): forget it, and
                          leave no ghost — the policy's judgement was not involved
 
+and one shorthand: `hit_evictable(key)` is exactly `accessed(key)` then `removed(key)` (a lookup
+hit on a cached block pins it). The base class does just that; a policy may do both in one call
+when that is cheaper (a hit's reward that the removal undoes at once need not be paid), which is
+most of a batch-256 lookup's per-block work for kvd's default policy.
+
 Keys are content, not block ids, so a policy that remembers evicted keys (ARC's ghost lists,
 S3-FIFO's ghost queue) recognises a block's content when it comes back in another block.
 
@@ -70,6 +75,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def removed(self, key: Hashable) -> None:
         """`key` is pinned again: no longer evictable, still cached."""
+
+    def hit_evictable(self, key: Hashable) -> None:
+        """The evictable `key` was hit and pinned: `accessed(key)`, then `removed(key)`."""
+        self.accessed(key)
+        self.removed(key)
 
     @abstractmethod
     def victim(self) -> Hashable | None:

@@ -78,6 +78,10 @@ class LFUPolicy(EvictionPolicy):
     def removed(self, key: Hashable) -> None:
         self._dequeue(key)
 
+    def hit_evictable(self, key: Hashable) -> None:
+        self._frequency[key] = min(self._frequency[key] + 1, MAX_FREQUENCY)
+        self._dequeue(key)  # no re-queue at the new priority: the removal would undo it
+
     def discard(self, key: Hashable) -> None:
         self._dequeue(key)
         del self._frequency[key]

@@ -37,6 +37,9 @@ class LRUPolicy(EvictionPolicy):
     def removed(self, key: Hashable) -> None:
         del self._order[key]
 
+    def hit_evictable(self, key: Hashable) -> None:
+        del self._order[key]  # the hit's move to the end is undone by the removal
+
     def discard(self, key: Hashable) -> None:
         del self._order[key]
 

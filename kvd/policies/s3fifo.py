@@ -84,6 +84,12 @@ class S3FIFOPolicy(EvictionPolicy):
             del self._main[key]
             self._pinned[key] = True
 
+    def hit_evictable(self, key: Hashable) -> None:
+        frequency = self._frequency[key]  # an evictable key always has a counter
+        if frequency < MAX_FREQUENCY:
+            self._frequency[key] = frequency + 1
+        self.removed(key)
+
     def discard(self, key: Hashable) -> None:
         del (self._small if key in self._small else self._main)[key]
         del self._frequency[key]

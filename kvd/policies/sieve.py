@@ -74,6 +74,10 @@ class SIEVEPolicy(EvictionPolicy):
     def removed(self, key: Hashable) -> None:
         self._unlink(key)
 
+    def hit_evictable(self, key: Hashable) -> None:
+        self._visited[key] = True
+        self._unlink(key)
+
     def discard(self, key: Hashable) -> None:
         self._unlink(key)
         del self._visited[key]

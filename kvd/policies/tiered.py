@@ -108,6 +108,9 @@ class TieredPolicy(EvictionPolicy):
     def removed(self, key: Hashable) -> None:
         self.policies[self._tier_of[key]].removed(key)
 
+    def hit_evictable(self, key: Hashable) -> None:
+        self.policies[self._tier_of[key]].hit_evictable(key)
+
     def discard(self, key: Hashable) -> None:
         self.policies[self._forget(key)].discard(key)
 

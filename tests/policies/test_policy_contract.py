@@ -29,9 +29,16 @@ def build(name: str, capacity: int) -> EvictionPolicy:
 ALL = NAMES + [f"tiered:{name}" for name in ("lru", DEFAULT_POLICY)]
 
 
-def drive(policy: EvictionPolicy, seed: int, num_steps: int = 3000) -> None:
-    """Random lifecycle-respecting events; check victims and len/contains after each step."""
+def drive(policy: EvictionPolicy, seed: int, num_steps: int = 3000,
+          twin: EvictionPolicy | None = None) -> None:
+    """Random lifecycle-respecting events; check victims and len/contains after each step.
+
+    With `twin` (a second policy of the same kind), every event goes to both, except that a hit
+    that pins an evictable key is `hit_evictable` for `policy` and `accessed` then `removed` for
+    the twin, which the contract says are the same: every victim must then agree.
+    """
     rng = random.Random(seed)
+    both = [policy] if twin is None else [policy, twin]
     evictable: set[int] = set()
     pinned: set[int] = set()
     evicted: set[int] = set()
@@ -42,27 +49,41 @@ def drive(policy: EvictionPolicy, seed: int, num_steps: int = 3000) -> None:
             key = rng.choice(sorted(evicted)) if evicted and rng.random() < 0.3 else next_key
             next_key += key == next_key
             evicted.discard(key)
-            policy.inserted(key, key % 2)
+            for each in both:
+                each.inserted(key, key % 2)
             evictable.add(key)
-        elif op < 0.55:
-            policy.accessed(rng.choice(sorted(evictable | pinned)))
-        elif op < 0.65 and evictable:
+        elif op < 0.5:
+            key = rng.choice(sorted(evictable | pinned))
+            for each in both:
+                each.accessed(key)
+        elif op < 0.6 and evictable:
             key = rng.choice(sorted(evictable))
-            policy.removed(key)
+            if rng.random() < 0.5:
+                for each in both:
+                    each.removed(key)
+            else:
+                policy.hit_evictable(key)
+                if twin is not None:
+                    twin.accessed(key)
+                    twin.removed(key)
             evictable.remove(key)
             pinned.add(key)
-        elif op < 0.75 and pinned:
+        elif op < 0.72 and pinned:
             key = rng.choice(sorted(pinned))
-            policy.inserted(key, key % 2)
+            for each in both:
+                each.inserted(key, key % 2)
             pinned.remove(key)
             evictable.add(key)
-        elif op < 0.8 and evictable:
+        elif op < 0.77 and evictable:
             key = rng.choice(sorted(evictable))
-            policy.discard(key)
+            for each in both:
+                each.discard(key)
             evictable.remove(key)
             evicted.add(key)
         else:
             key = policy.victim()
+            if twin is not None:
+                assert twin.victim() == key, "hit_evictable differs from accessed + removed"
             if not evictable:
                 assert key is None
                 continue
@@ -78,6 +99,12 @@ def drive(policy: EvictionPolicy, seed: int, num_steps: int = 3000) -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_random_lifecycle_respects_contract(name: str, seed: int) -> None:
     drive(build(name, capacity=16), seed)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("seed", range(4))
+def test_hit_evictable_is_accessed_then_removed(name: str, seed: int) -> None:
+    drive(build(name, capacity=16), seed, twin=build(name, capacity=16))
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -4,8 +4,9 @@ A worker moves its KV cache one layer at a time: it writes the K and V of its ne
 sequence's blocks, then gathers the K and V of every token back for attention. Both are
 workers/model.py's `PagedKV.write` and `PagedKV.gather`, run here unchanged over each store with
 the same data (a float16 model's K/V, so no dtype conversion hides the copies). The ops take
-turns call by call for many rounds, each round starting one op further along, and the table
-shows medians, so machine noise and cache state hit them alike:
+turns call by call for many rounds, each round in a fresh random order (so every op follows every
+other equally often), and the table shows medians, so machine noise and cache state hit them
+alike:
 
 * **kvd**: `PagedKV` over `client.pool`, the NumPy view of the daemon's POSIX shared-memory
   segment, with block ids a real `alloc` handed out (shuffled: a long-lived pool hands out
@@ -28,13 +29,13 @@ Why shared memory can be slower than a private array, and what kvd does about it
 runs of this bench on a 2-core AMD EPYC VM):
 
 1. **Page size.** NumPy madvises transparent huge pages for large arrays, so a private array
-   lives on 2 MiB pages. A /dev/shm file gets 2 MiB pages only when /dev/shm is mounted with
-   `huge=within_size` (or `always`); the kernel then also maps every process's view 2 MiB-aligned,
-   and kvd needs no change (on such a tmpfs the write ran at the private array's speed). On a
-   default (`huge=never`) mount MADV_HUGEPAGE does nothing, and MADV_COLLAPSE builds huge pages
-   that a process can map as such only at a 2 MiB-aligned address, which Python's mmap cannot ask
-   for. So here a layer's write touches ~4,000 pages instead of 8: the "4 KiB pages" row measures
-   that share, and the output states which pages each store really got.
+   lives on 2 MiB pages, while a default (`huge=never`) /dev/shm gives the segment 4 KiB pages
+   (mounted `huge=within_size`, it gives 2 MiB pages too, and kvd needs no change). The "4 KiB
+   pages" row measures what the page size costs: 1-3 % here (a layer moves in runs of 32 KiB,
+   8 pages each, so a TLB miss per page is small beside the bytes). Moving the segment onto huge
+   pages with MADV_COLLAPSE was tried and measured no faster through the workers' mappings
+   (within 1-2 %, pools of 128 MiB and 2 GiB), so kvd does not do it. The output states which
+   pages each store really got.
 2. **Alignment.** Copies of runs this long go through glibc's memmove (`rep movsb` here), whose
    speed depends on where source and destination sit in their 64-byte lines: from a page-aligned
    source into a destination 16 bytes past a page, a write took 2.2x as long as into a
@@ -51,6 +52,12 @@ runs of this bench on a 2-core AMD EPYC VM):
    process, and `posix_fallocate` already allocates every page); MAP_POPULATE in each worker
    maps the whole segment at ~0.5 us a page, but at connect time and for every client. Every
    store here is touched before timing, and the table lists the faults per call.
+5. **Turn order.** Every op must follow every other one equally often: an op right after Redis's
+   finds the caches full of Redis's buffers instead of the K/V source. This bench once rotated
+   one fixed order from round to round, which changes where a round starts but not who follows
+   whom: kvd's ops came right after Redis's every time. Both versions alternating, three runs
+   each: rotated, kvd wrote at 0.95-0.98x the private array, shuffled per round at 0.99x (the
+   0.87-0.94x of earlier runs, on another VM, were measured rotated).
 
     python -m bench.data_plane [--quick] [--out DIR]
 """
@@ -243,19 +250,19 @@ def redis_parser() -> str:
 
 
 # ---- timing -----------------------------------------------------------------------------------
-def time_rounds(ops: dict[tuple[str, str], Callable[[], Any]],
-                num_rounds: int) -> dict[tuple[str, str], dict[str, float]]:
+def time_rounds(ops: dict[tuple[str, str], Callable[[], Any]], num_rounds: int,
+                rng: np.random.Generator) -> dict[tuple[str, str], dict[str, float]]:
     """Median seconds and minor page faults per call of each op, the ops taking turns.
 
-    Each round starts one op further along, so that no op always follows the same one: an op
-    right after Redis's finds the caches full of Redis's buffers instead of the K/V source.
+    Each round runs every op once in a fresh random order, so that every op follows every other
+    one equally often (module docstring, point 5).
     """
     seconds: dict[tuple[str, str], list[float]] = {key: [] for key in ops}
     faults: dict[tuple[str, str], list[int]] = {key: [] for key in ops}
     order = list(ops)
-    for round_index in range(num_rounds):
-        first = round_index % len(order)
-        for key in order[first:] + order[:first]:
+    for _ in range(num_rounds):
+        for index in rng.permutation(len(order)):
+            key = order[index]
             op = ops[key]
             faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
@@ -318,7 +325,8 @@ def measure(pool: np.ndarray, small_pages: mmap.mmap, table: list[int],
         writes["redis"] = partial(redis_kv.write, keys, values)
         gathers["redis"] = redis_kv.gather
     timings = time_rounds({**{(name, "write"): op for name, op in writes.items()},
-                           **{(name, "gather"): op for name, op in gathers.items()}}, num_rounds)
+                           **{(name, "gather"): op for name, op in gathers.items()}}, num_rounds,
+                          rng)
     for (name, what), timing in timings.items():
         results.setdefault(name, {})[what] = timing
     for name, gather in gathers.items():

@@ -521,12 +521,11 @@ class BlockPool:
         alternating)."""
         state, refs, hashes, index = self._state, self._refs, self._hashes, self._index
         is_orphan, tiers, inserted = self._is_orphan, self._tier, self.policy.inserted
+        num_last_pins = 0  # sealed blocks whose last pin this was: no longer SEALED
         for block_id in block_ids:
-            pins = held[block_id] - 1
+            pins = held.pop(block_id) - 1  # one dict operation for the usual single pin
             if pins:
                 held[block_id] = pins
-            else:
-                del held[block_id]
             if state[block_id] == OWNED:
                 self._num_owned -= 1
                 self._to_free(block_id)
@@ -535,7 +534,7 @@ class BlockPool:
             refs[block_id] = count
             if count:
                 continue
-            self._num_sealed -= 1
+            num_last_pins += 1
             key = hashes[block_id]
             if index.get(key) != block_id:
                 # A duplicate: nobody can look it up, so keeping it would only waste a block.
@@ -546,6 +545,7 @@ class BlockPool:
             else:
                 state[block_id] = CACHED
                 inserted(key, tiers[block_id])
+        self._num_sealed -= num_last_pins
 
     # ---- recovery --------------------------------------------------------------------------
     def journal_rows(self, block_ids: Iterable[int] | None = None) -> list[JournalRow]:

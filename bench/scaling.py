@@ -8,6 +8,12 @@ spends per request beyond the floor's framing and syscalls. The worker counts ar
 (`--workers 1,2,4,8,16`), so the same script runs on a 16-core host, where the goal is >= 0.8x
 the floor's throughput at 8 workers. The default goes up to the host's core count (at least 4).
 
+Each point also reads both servers' CPU time (/proc/PID/schedstat) and reports CPU per request
+and how busy each server was. A server running flat out on a core of its own serves
+1 / (its CPU per request), so once workers outnumber what either server can answer, kvd / floor
+tends to the floor's CPU per request over kvd's: the last column, measurable on a small host
+too (where it is inflated alike for both by sharing cores with the clients).
+
     python -m bench.scaling [--quick] [--workers 1,2,4] [--duration-s 2] [--out DIR]
 """
 
@@ -23,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT, Daemon, markdown_table, progress, pyplot, save_plot, write_json
-from bench.control_plane import EchoClient, EchoServer
+from bench.control_plane import EchoClient, EchoServer, cpu_ns
 
 NUM_BLOCKS = 1 << 18  # nothing is evicted in a run: eviction is bench/pool.py's
 GOAL_RATIO_AT_8 = 0.8
@@ -72,9 +78,9 @@ def worker(kind: str, socket_path: str, first_key: int, duration_s: float,
     client.close()
 
 
-def measure(kind: str, socket_path: str, num_workers: int, duration_s: float,
-            run_index: int) -> float:
-    """Aggregate requests/s of `num_workers` processes."""
+def measure(kind: str, socket_path: str, server_pid: int, num_workers: int, duration_s: float,
+            run_index: int) -> dict[str, float]:
+    """Aggregate requests/s of `num_workers` processes, and the server's CPU per request."""
     context = multiprocessing.get_context("fork")
     start, results = context.Event(), context.Queue()
     procs = [context.Process(target=worker, args=(
@@ -83,13 +89,18 @@ def measure(kind: str, socket_path: str, num_workers: int, duration_s: float,
     for proc in procs:
         proc.start()
     time.sleep(0.2 + 0.05 * num_workers)  # let every worker connect before the clock starts
+    server_before, began = cpu_ns(server_pid), time.perf_counter()
     start.set()
     shares = [results.get(timeout=60 + duration_s) for _ in procs]
+    server_ns, wall_s = cpu_ns(server_pid) - server_before, time.perf_counter() - began
     for proc in procs:
         proc.join()
     if any(proc.exitcode for proc in procs):
         raise RuntimeError(f"a {kind} worker failed")
-    return sum(count for count, _ in shares) / max(seconds for _, seconds in shares)
+    num_requests = sum(count for count, _ in shares)
+    return {"requests_per_s": num_requests / max(seconds for _, seconds in shares),
+            "server_us_per_request": server_ns / 1e3 / num_requests,
+            "server_busy": server_ns / 1e9 / wall_s}
 
 
 def run(worker_counts: list[int], duration_s: float) -> dict[str, Any]:
@@ -98,24 +109,36 @@ def run(worker_counts: list[int], duration_s: float) -> dict[str, Any]:
     with EchoServer() as echo, Daemon(NUM_BLOCKS) as daemon:
         for run_index, num_workers in enumerate(worker_counts):
             progress(f"scaling: {num_workers} workers, {duration_s} s each for kvd and echo")
-            kvd_rate = measure("kvd", daemon.socket_path, num_workers, duration_s, 2 * run_index)
-            echo_rate = measure("echo", echo.socket_path, num_workers, duration_s,
-                                2 * run_index + 1)
-            results["rows"].append({"workers": num_workers, "kvd_requests_per_s": kvd_rate,
-                                    "echo_requests_per_s": echo_rate,
-                                    "ratio": kvd_rate / echo_rate})
+            kvd = measure("kvd", daemon.socket_path, daemon.proc.pid, num_workers, duration_s,
+                          2 * run_index)
+            floor = measure("echo", echo.socket_path, echo.proc.pid, num_workers, duration_s,
+                            2 * run_index + 1)
+            results["rows"].append({
+                "workers": num_workers, "kvd": kvd, "echo": floor,
+                "ratio": kvd["requests_per_s"] / floor["requests_per_s"],
+                # What the ratio tends to once both servers are saturated, each on a core of
+                # its own (a host with cores for every worker): their CPU per request.
+                "saturated_ratio": floor["server_us_per_request"] / kvd["server_us_per_request"]})
     return results
 
 
 def markdown(results: dict[str, Any]) -> str:
-    rows = [[r["workers"], f"{r['kvd_requests_per_s']:,.0f}", f"{r['echo_requests_per_s']:,.0f}",
-             f"{r['ratio']:.2f}x"] for r in results["rows"]]
-    table = markdown_table(["workers", "kvd requests/s", "echo requests/s", "kvd / floor"], rows)
+    rows = [[r["workers"], f"{r['kvd']['requests_per_s']:,.0f}",
+             f"{r['echo']['requests_per_s']:,.0f}", f"{r['ratio']:.2f}x",
+             f"{r['kvd']['server_us_per_request']:.1f}", f"{r['echo']['server_us_per_request']:.1f}",
+             f"{r['kvd']['server_busy']:.0%} / {r['echo']['server_busy']:.0%}",
+             f"{r['saturated_ratio']:.2f}x"] for r in results["rows"]]
+    table = markdown_table(["workers", "kvd requests/s", "echo requests/s", "kvd / floor",
+                            "kvd server CPU µs/request", "echo server CPU µs/request",
+                            "servers busy (kvd / echo)", "floor CPU / kvd CPU"], rows)
     note = (f"{results['cpus']} CPUs; batch-1 requests (alloc, seal, release, lookup, release), "
             f"{results['duration_s']} s per point. On a 16-core host the goal is >= "
             f"{GOAL_RATIO_AT_8}x the floor at 8 workers (`python -m bench.scaling --workers "
             "1,2,4,8,16`); with fewer cores than workers + 1, client and server share CPUs and "
-            "the ratio mostly reflects per-request CPU on both sides.")
+            "the ratio mostly reflects per-request CPU on both sides. Server CPU per request "
+            "(from /proc/PID/schedstat over each point) is what bounds a saturated server: "
+            "once both run flat out on cores of their own, kvd / floor tends to the last "
+            "column, the floor's CPU per request over kvd's.")
     return ("## Scaling with worker processes (bench/scaling.py)\n\n" + table + "\n" + note + "\n")
 
 
@@ -123,9 +146,9 @@ def plot(results: dict[str, Any], out: Path) -> Path:
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(6, 3.5))
     workers = [r["workers"] for r in results["rows"]]
-    axes.plot(workers, [r["kvd_requests_per_s"] for r in results["rows"]], marker="o",
+    axes.plot(workers, [r["kvd"]["requests_per_s"] for r in results["rows"]], marker="o",
               label="kvd daemon")
-    axes.plot(workers, [r["echo_requests_per_s"] for r in results["rows"]], marker="s",
+    axes.plot(workers, [r["echo"]["requests_per_s"] for r in results["rows"]], marker="s",
               label="msgpack echo floor")
     axes.set(xscale="log", xticks=workers, xticklabels=[str(w) for w in workers],
              xlabel="worker processes", ylabel="aggregate requests/s",

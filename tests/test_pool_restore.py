@@ -63,6 +63,16 @@ def test_a_restored_parent_takes_its_restored_children_along():
     pool.check_invariants()
 
 
+def test_any_hashable_key_comes_back_as_the_same_object():
+    keys = [b"a", ("layer", 3), (0, 1)]  # tuples too: NumPy must not unpack them
+    pool = BlockPool(4, "lru")
+    pool.restore(rows_of(*((i, key, 0, NO_PARENT, 0, 0) for i, key in enumerate(keys))))
+    assert [pool.block_hash(i) for i in range(4)] == [*keys, None]
+    assert all(pool.block_hash(i) is key for i, key in enumerate(keys))
+    assert [pool.find(key) for key in keys] == [0, 1, 2]
+    pool.check_invariants()
+
+
 def test_rows_that_no_longer_describe_the_segment_are_dropped_with_their_descendants():
     pool = BlockPool(8, "lru")
     pool.generations[2] = 5  # block 2 was freed (and maybe reused) after its row was written

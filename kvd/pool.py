@@ -516,12 +516,14 @@ class BlockPool:
     def _unpin(self, block_ids: Iterable[int], held: dict[int, int]) -> None:
         """Drop one pin of `held` per block, in order (every pin is known to be there).
 
-        One loop with the pool's tables in locals: at batch 256 the per-block work is all there
-        is, and a method call per block was 12-20 % of a release (in-process, old/new
-        alternating)."""
+        One loop with the pool's tables in locals, and one policy call for every block that
+        became evictable: at batch 256 the per-block work is all there is, and a method call per
+        block was 12-20 % of a release (in-process, old/new alternating)."""
         state, refs, hashes, index = self._state, self._refs, self._hashes, self._index
-        is_orphan, tiers, inserted = self._is_orphan, self._tier, self.policy.inserted
+        is_orphan, tiers = self._is_orphan, self._tier
         num_last_pins = 0  # sealed blocks whose last pin this was: no longer SEALED
+        cached_keys: list[Hashable] = []  # for the policy in one call, in release order
+        cached_tiers: list[int] = []
         for block_id in block_ids:
             pins = held.pop(block_id) - 1  # one dict operation for the usual single pin
             if pins:
@@ -541,10 +543,17 @@ class BlockPool:
                 hashes[block_id] = None
                 self._to_free(block_id)
             elif is_orphan[block_id]:
-                self._evict_subtree(block_id)  # unreachable: caching it would only waste blocks
+                # Unreachable: caching it would only waste blocks. Its subtree may hold blocks
+                # this loop cached already: the policy must know them before it discards any.
+                self.policy.inserted_many(cached_keys, cached_tiers)
+                cached_keys, cached_tiers = [], []
+                self._evict_subtree(block_id)
             else:
                 state[block_id] = CACHED
-                inserted(key, tiers[block_id])
+                cached_keys.append(key)
+                cached_tiers.append(tiers[block_id])
+        if cached_keys:
+            self.policy.inserted_many(cached_keys, cached_tiers)
         self._num_sealed -= num_last_pins
 
     # ---- recovery --------------------------------------------------------------------------

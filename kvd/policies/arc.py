@@ -22,7 +22,7 @@ Adapting ARC to the pool's events (kvd/policies/base.py):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from kvd.policies.base import TIER_PREFILL, EvictionPolicy
 
@@ -42,10 +42,15 @@ class ARCPolicy(EvictionPolicy):
         self.target_t1 = 0.0  # ARC's p
 
     def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
-        is_frequent = self._pinned.pop(key, None)
-        if is_frequent is None:
-            is_frequent = self._adapt(key)
-        (self._t2 if is_frequent else self._t1)[key] = None
+        self.inserted_many((key,), (tier,))
+
+    def inserted_many(self, keys: Sequence[Hashable], tiers: Sequence[int]) -> None:
+        pinned, adapt, t1, t2 = self._pinned, self._adapt, self._t1, self._t2
+        for key in keys:
+            is_frequent = pinned.pop(key, None)
+            if is_frequent is None:
+                is_frequent = adapt(key)
+            (t2 if is_frequent else t1)[key] = None
 
     def _adapt(self, key: Hashable) -> bool:
         """A newly cached key: move `p` if it is a ghost; return whether it goes to T2."""

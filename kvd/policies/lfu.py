@@ -25,7 +25,7 @@ Frequencies survive pins (`removed` keeps them) and are forgotten when the key i
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from kvd.policies.base import TIER_PREFILL, EvictionPolicy
 
@@ -63,8 +63,13 @@ class LFUPolicy(EvictionPolicy):
             del self._buckets[priority]
 
     def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
-        self._frequency.setdefault(key, 1)
-        self._enqueue(key)
+        self.inserted_many((key,), (tier,))
+
+    def inserted_many(self, keys: Sequence[Hashable], tiers: Sequence[int]) -> None:
+        frequency, enqueue = self._frequency, self._enqueue
+        for key in keys:
+            frequency.setdefault(key, 1)
+            enqueue(key)
 
     def accessed(self, key: Hashable) -> None:
         frequency = self._frequency.get(key)

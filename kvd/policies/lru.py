@@ -25,6 +25,11 @@ class LRUPolicy(EvictionPolicy):
     def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
         self._order[key] = None
 
+    def inserted_many(self, keys: Sequence[Hashable], tiers: Sequence[int]) -> None:
+        order = self._order  # (OrderedDict.update(dict.fromkeys(keys)) measured slower)
+        for key in keys:
+            order[key] = None
+
     def restored(self, keys: Sequence[Hashable], tiers: Sequence[int]) -> None:
         if self._order:
             raise ValueError("restored() needs a policy that tracks nothing yet")

@@ -22,7 +22,7 @@ linked at the head, as a newly arrived key would be.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from kvd.policies.base import TIER_PREFILL, EvictionPolicy
 
@@ -64,8 +64,13 @@ class SIEVEPolicy(EvictionPolicy):
             self._hand = newer
 
     def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
-        self._visited.setdefault(key, False)
-        self._link_at_head(key)
+        self.inserted_many((key,), (tier,))
+
+    def inserted_many(self, keys: Sequence[Hashable], tiers: Sequence[int]) -> None:
+        visited, link_at_head = self._visited, self._link_at_head
+        for key in keys:
+            visited.setdefault(key, False)
+            link_at_head(key)
 
     def accessed(self, key: Hashable) -> None:
         if key in self._visited:

@@ -42,9 +42,13 @@ class ARCPolicy(EvictionPolicy):
         self.target_t1 = 0.0  # ARC's p
 
     def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
-        self.inserted_many((key,), (tier,))
+        is_frequent = self._pinned.pop(key, None)
+        if is_frequent is None:
+            is_frequent = self._adapt(key)
+        (self._t2 if is_frequent else self._t1)[key] = None
 
     def inserted_many(self, keys: Sequence[Hashable], tiers: Sequence[int]) -> None:
+        # inserted() as one loop over locals, for the pool's releases.
         pinned, adapt, t1, t2 = self._pinned, self._adapt, self._t1, self._t2
         for key in keys:
             is_frequent = pinned.pop(key, None)

@@ -63,7 +63,8 @@ class LFUPolicy(EvictionPolicy):
             del self._buckets[priority]
 
     def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
-        self.inserted_many((key,), (tier,))
+        self._frequency.setdefault(key, 1)
+        self._enqueue(key)
 
     def inserted_many(self, keys: Sequence[Hashable], tiers: Sequence[int]) -> None:
         frequency, enqueue = self._frequency, self._enqueue

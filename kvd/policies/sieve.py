@@ -64,7 +64,8 @@ class SIEVEPolicy(EvictionPolicy):
             self._hand = newer
 
     def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
-        self.inserted_many((key,), (tier,))
+        self._visited.setdefault(key, False)
+        self._link_at_head(key)
 
     def inserted_many(self, keys: Sequence[Hashable], tiers: Sequence[int]) -> None:
         visited, link_at_head = self._visited, self._link_at_head

@@ -21,7 +21,7 @@ may do more cheaply: `hit_evictable(key)` is exactly `accessed(key)` then `remov
 hit on a cached block pins it; every policy here pays no hit reward that the removal undoes at
 once, such as LRU's move to the end: a batch-256 lookup in the pool took 30 % less time with
 kvd's default policy), and `inserted_many(keys, tiers)` is `inserted` for each key in order (a
-release's blocks becoming evictable: one call instead of one per block, 7-13 % off a batch-256
+release's blocks becoming evictable: one call instead of one per block, 20-30 % off a batch-256
 release with the default policy).
 
 Keys are content, not block ids, so a policy that remembers evicted keys (ARC's ghost lists,

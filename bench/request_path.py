@@ -11,8 +11,10 @@ same selectors echo server as in bench/control_plane.py, driven the same way ove
 It reports, per op of the control plane's round (alloc, seal, release, lookup, release):
   * the in-process round trip, kvd (client encode → send → serve_once → recv → decode) next to
     the echo floor with the same request body, medians of interleaved chunks;
+  * the same kvd round trip with its frame codec in pure Python (`kvd.protocol.use_c(False)`),
+    in the same interleaving: what kvd/_wire.c saves;
   * the stages of kvd's handling of that request (decode: unpack + parse, handle: the Service's
-    validation and the pool, encode), each timed alone on the same requests.
+    validation and the pool, encode), each timed alone on the same requests, with the C codec.
 
     python -m bench.request_path [--quick] [--out DIR]
 """
@@ -34,11 +36,10 @@ import msgpack
 
 from bench.common import TINY_GEOMETRY, bench_main, markdown_table, progress, write_json
 from bench.control_plane import NUM_BLOCKS, OPS, digests, echo_replies
+from kvd import protocol
 from kvd.daemon import Daemon
 from kvd.geometry import Geometry
-from kvd.protocol import (
-    PROTOCOL_VERSION, FrameDecoder, FrameEncoder, parse_reply, parse_request, unpack_body,
-)
+from kvd.protocol import PROTOCOL_VERSION, FrameDecoder, FrameEncoder, decode_reply, decode_request
 from kvd.runtime import DaemonPaths
 
 ROUND = ("alloc", "seal", "release", "lookup", "release")  # the control plane's round
@@ -67,13 +68,18 @@ class InlineDaemon:
         self.call("hello", {"version": PROTOCOL_VERSION, "pid": os.getpid()})
 
     def call(self, op: str, args: dict[str, Any]) -> Any:
+        """One request as kvd.Client makes it (its encoder, and its decoding of the reply)."""
         self._next_id += 1
         self.sock.sendall(self._encoder.request(self._next_id, op, args))
         self.daemon.serve_once(1.0)
         while True:
-            bodies = self._decoder.feed(self.sock.recv(65536))
+            chunk = self.sock.recv(65536)
+            replies = self._decoder.replies(chunk)
+            if replies is not None:
+                return replies[0][1]
+            bodies = self._decoder.feed(chunk)
             if bodies:
-                return parse_reply(unpack_body(bodies[0]))[1]
+                return decode_reply(bodies[0])[1]
 
     def close(self) -> None:
         self.sock.close()
@@ -134,7 +140,7 @@ def stage_times(inline: InlineDaemon, hashes: list[bytes], samples: dict[str, li
     for op, args in round_args(hashes, block_ids):
         body = encoder.request(1, op, args)[4:]
         start = clock()
-        request_id, op_name, request_args = parse_request(unpack_body(body))
+        request_id, op_name, request_args = decode_request(body)
         decoded = clock()
         result = service.handle(session, op_name, request_args)
         handled = clock()
@@ -154,21 +160,29 @@ def median_us(samples: list[int]) -> float:
 def run(quick: bool) -> dict[str, Any]:
     num_chunks = 2 if quick else 30
     kvd_samples: dict[str, list[int]] = {op: [] for op in OPS}
+    pure_samples: dict[str, list[int]] = {op: [] for op in OPS}
     echo_samples: dict[str, list[int]] = {op: [] for op in OPS}
+    has_c = protocol.use_c(True)  # (off where kvd/_wire.c was not built: no pure column then)
     stage_samples: dict[str, list[int]] = {f"{op}:{stage}": [] for op in OPS
                                            for stage in ("decode", "handle", "encode")}
     key = 0
     with tempfile.TemporaryDirectory(prefix="kvd-path-") as directory:
         inline, echo = InlineDaemon(directory), InlineEcho()
+        # (server, samples, whether its turn runs with the C codec)
+        servers = [(inline, kvd_samples, True), (echo, echo_samples, True)]
+        if has_c:
+            servers.append((inline, pure_samples, False))
         try:
             for chunk in range(num_chunks + 1):  # the first chunk warms up and is dropped
                 progress(f"request path: chunk {chunk + 1} of {num_chunks + 1}")
                 keep = chunk > 0
-                for server, samples in ((inline, kvd_samples), (echo, echo_samples)):
+                for server, samples, with_c in servers:
+                    protocol.use_c(with_c)
                     for _ in range(CHUNK):
                         key += 1
                         timed_round(server, digests(key, 1),
                                     samples if keep else {op: [] for op in OPS})
+                    protocol.use_c(has_c)
                 for _ in range(CHUNK):
                     key += 1
                     stage_times(inline, digests(key, 1),
@@ -180,24 +194,36 @@ def run(quick: bool) -> dict[str, Any]:
     for op in OPS:
         mine, floor = median_us(kvd_samples[op]), median_us(echo_samples[op])
         rows[op] = {"kvd_us": mine, "echo_us": floor, "ratio": mine / floor,
+                    "pure_python_us": median_us(pure_samples[op]) if has_c else None,
                     **{stage: median_us(stage_samples[f"{op}:{stage}"])
                        for stage in ("decode", "handle", "encode")}}
-    return {"num_blocks": NUM_BLOCKS, "rounds": num_chunks * CHUNK, "ops": rows}
+    return {"num_blocks": NUM_BLOCKS, "rounds": num_chunks * CHUNK, "has_c": has_c, "ops": rows}
+
+
+def _pure_cells(row: dict[str, Any]) -> list[str]:
+    pure = row["pure_python_us"]
+    if pure is None:
+        return ["not built", "-"]
+    return [f"{pure:.2f} ({pure / row['echo_us']:.2f}x)", f"{pure - row['kvd_us']:.2f}"]
 
 
 def markdown(results: dict[str, Any]) -> str:
     rows = [[op, f"{row['kvd_us']:.2f}", f"{row['echo_us']:.2f}", f"{row['ratio']:.2f}x",
-             f"{row['kvd_us'] - row['echo_us']:.2f}", f"{row['decode']:.2f}",
+             f"{row['kvd_us'] - row['echo_us']:.2f}", *_pure_cells(row), f"{row['decode']:.2f}",
              f"{row['handle']:.2f}", f"{row['encode']:.2f}"]
             for op, row in results["ops"].items()]
     table = markdown_table(["op", "kvd µs", "echo µs", "kvd / floor", "kvd - floor µs",
-                            "decode µs", "handle µs", "encode µs"], rows)
+                            "pure-Python codec µs", "C saves µs", "decode µs", "handle µs",
+                            "encode µs"], rows)
     return ("## Request path in one process, no scheduler (bench/request_path.py)\n\n"
             f"One process drives both ends of a real Unix socket and runs the daemon's loop "
             f"iteration inline, so these are path lengths (kernel socket work + Python on both "
             f"sides), steady to a fraction of a µs; batch 1, {results['rounds']:,} rounds, "
-            f"medians. The stages are kvd's decode (unpack + parse), handle (validation + "
-            f"pool) and encode of the same requests, each timed alone.\n\n" + table + "\n")
+            f"medians. The pure-Python column is the same kvd round trip with the frame codec "
+            f"in Python (kvd.protocol.use_c(False)), interleaved with the others: what "
+            f"kvd/_wire.c saves. The stages are kvd's decode (unpack + parse), handle "
+            f"(validation + pool) and encode of the same requests, each timed alone.\n\n"
+            + table + "\n")
 
 
 def run_bench(quick: bool, out: Path) -> str:

@@ -42,7 +42,7 @@ from kvd.errors import BadArgsError, DeniedError, DisconnectedError, InUseError,
 from kvd.geometry import Geometry
 from kvd.hashing import token_bytes
 from kvd.protocol import (
-    PROTOCOL_VERSION, FrameDecoder, FrameEncoder, parse_reply, unpack_body,
+    PROTOCOL_VERSION, FrameDecoder, FrameEncoder, decode_reply,
 )
 from kvd.runtime import resolve_socket
 from kvd.segment import Segment
@@ -178,18 +178,23 @@ class Client:
         except OSError as exc:
             self._raise_parting_error()
             raise DisconnectedError(f"lost the kvd daemon at {self.socket_path}: {exc}") from None
+        decoder, reply = self._decoder, None
         try:
             while True:  # one request in flight: the first complete frame is its reply
                 nbytes = sock.recv_into(view)
                 if not nbytes:
                     raise DisconnectedError(f"the kvd daemon at {self.socket_path} closed the "
                                             "connection")
-                bodies = self._decoder.feed(view[:nbytes])
+                replies = decoder.replies(view[:nbytes])  # the usual reply, decoded in C
+                if replies is not None:
+                    reply = replies[0]
+                    break
+                bodies = decoder.feed(view[:nbytes])
                 if bodies:
                     break
         except OSError as exc:
             raise DisconnectedError(f"lost the kvd daemon at {self.socket_path}: {exc}") from None
-        reply_id, result = parse_reply(unpack_body(bodies[0]))
+        reply_id, result = reply if reply is not None else decode_reply(bodies[0])
         if reply_id != request_id:
             raise DisconnectedError(f"reply {reply_id} does not answer request {request_id}: "
                                     "the session is out of step, reconnect")
@@ -211,7 +216,7 @@ class Client:
         except KvdError:
             return  # not a frame: a plain disconnect
         if bodies:
-            parse_reply(unpack_body(bodies[0]))  # raises the error it carries
+            decode_reply(bodies[0])  # raises the error it carries
 
     def _reconnect(self, lost: DisconnectedError) -> None:
         """Retry the connection with exponential backoff for up to reconnect_timeout_s."""

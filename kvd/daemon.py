@@ -59,7 +59,7 @@ from kvd.journal import JOURNAL_VERSION, Journal, failpoint
 from kvd.metrics import OpStats, serve_metrics
 from kvd.policies import make_policy
 from kvd.pool import BlockPool, IndexRows
-from kvd.protocol import FrameDecoder, FrameEncoder, encode_error, parse_request, unpack_body
+from kvd.protocol import FrameDecoder, FrameEncoder, decode_request, encode_error
 from kvd.runtime import SHM_DIR, DaemonPaths
 from kvd.runtime import state_dir as state_dir_of
 from kvd.segment import LAYOUT_VERSION, Segment, current_boot_id
@@ -405,16 +405,19 @@ class Daemon:
         if not nbytes:
             self._close(connection, "closed by peer")
             return
-        try:
-            bodies = connection.decoder.feed(self._recv_view[:nbytes])
-        except KvdError as exc:  # bad length prefix: the stream cannot be resynchronised
-            self.ops.error(exc.code)
-            _send_quietly(connection.sock, bytes(connection.output) + encode_error(None, exc))
-            self._close(connection, f"framing error: {exc}")
-            return
-        session, replies = connection.session, []
-        for body in bodies:
-            replies.append(self._reply(session, body))
+        chunk, session = self._recv_view[:nbytes], connection.session
+        requests = connection.decoder.requests(chunk)  # the usual chunk, decoded in C
+        if requests is not None:
+            replies = [self._reply(session, None, request) for request in requests]
+        else:
+            try:
+                bodies = connection.decoder.feed(chunk)
+            except KvdError as exc:  # bad length prefix: the stream cannot be resynchronised
+                self.ops.error(exc.code)
+                _send_quietly(connection.sock, bytes(connection.output) + encode_error(None, exc))
+                self._close(connection, f"framing error: {exc}")
+                return
+            replies = [self._reply(session, body) for body in bodies]
         if self.journal is not None and self.journal.num_seals_pending:
             connection.pending += replies  # held for this iteration's commit
             self._replied.add(connection)
@@ -423,14 +426,17 @@ class Daemon:
         else:
             self._send(connection, b"".join([reply for _, reply, _ in replies]))
 
-    def _reply(self, session: Session, body: bytes) -> tuple[int | None, bytes, bool]:
-        """Handle one frame body: (request id, reply frame, whether it awaits the journal)."""
+    def _reply(self, session: Session, body: bytes | None,
+               request: tuple[int, str, dict[str, Any]] | None = None
+               ) -> tuple[int | None, bytes, bool]:
+        """Handle one frame body, or the request already decoded from it: (request id, reply
+        frame, whether it awaits the journal)."""
         started = perf_counter()
         request_id = op = None
         journal = self.journal
         num_seals = journal.num_seals_pending if journal is not None else 0
         try:
-            request_id, op, args = parse_request(unpack_body(body))
+            request_id, op, args = request if request is not None else decode_request(body)
             reply = self._frame([request_id, True, self._handle(session, op, args)])
         except KvdError as exc:
             if isinstance(exc, ProtocolError) and request_id is None:

@@ -1,0 +1,538 @@
+/* kvd._wire: the common frame bodies decoded in C, every other one left to kvd/protocol.py.
+
+Theory of operation
+-------------------
+A batch-1 request costs kvd's daemon and client about 2 us of Python each just to turn a frame
+body into checked objects: msgpack.unpackb with ten limit arguments, then parse_request's (or
+parse_reply's) shape checks. Both are pure functions of the body, so this module does the same
+in one C pass, for the shapes that make up the traffic:
+
+    request(body)  -> (request_id, op, args) | None    unpack_body + parse_request
+    reply(body)    -> (request_id, result)   | None    unpack_body + parse_reply, success only
+
+It decodes a *subset* of msgpack -- nil, bool, every int, str, bin, array, map with str keys --
+under the same length limits as unpack_body (set once by `set_limits`) and a shallow depth cap.
+Anything else (floats, ext types, bytes map keys, deep nesting, bad UTF-8, trailing or missing
+bytes, an error reply, a malformed shape) returns None, and the caller runs the Python path,
+which is the specification: it decodes what this module does not support, and raises the exact
+error (ProtocolError with its request id, or the error a reply carries) for what is invalid.
+So the contract is one-sided and easy to test: whenever this returns a value, it equals what
+the Python path returns for the same body (tests/test_wire.py checks that on generated and
+mutated bodies). It never raises for bad input, and reads no byte outside the body.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Deeper than any request or reply kvd sends ([id, op, {arg: [items]}] is 3 levels; stats
+   and hello replies 4); deeper bodies go to the Python path, which allows more. */
+#define MAX_DEPTH 8
+
+/* unpack_body's limits and parse_request's op length, from set_limits (all 0 until then:
+   nothing but ints and nil decodes). */
+static Py_ssize_t max_frame_nbytes = 0, max_str_nbytes = 0, max_bin_nbytes = 0, max_array_len = 0,
+                  max_map_len = 0, max_op_len = 0;
+
+typedef struct {
+    const unsigned char *at, *end;
+} Reader;
+
+static int take(Reader *r, Py_ssize_t n, const unsigned char **out)
+{
+    if (r->end - r->at < n)
+        return 0;
+    *out = r->at;
+    r->at += n;
+    return 1;
+}
+
+static int read_be(Reader *r, int nbytes, uint64_t *value)
+{
+    const unsigned char *p;
+    if (!take(r, nbytes, &p))
+        return 0;
+    uint64_t v = 0;
+    for (int i = 0; i < nbytes; i++)
+        v = (v << 8) | p[i];
+    *value = v;
+    return 1;
+}
+
+static PyObject *decode(Reader *r, int depth);
+
+static PyObject *decode_str(Reader *r, Py_ssize_t n)
+{
+    const unsigned char *p;
+    if (n > max_str_nbytes || !take(r, n, &p))
+        return NULL;
+    PyObject *s = PyUnicode_DecodeUTF8((const char *)p, n, "strict");
+    if (s == NULL)
+        PyErr_Clear();
+    return s;
+}
+
+static PyObject *decode_bin(Reader *r, Py_ssize_t n)
+{
+    const unsigned char *p;
+    if (n > max_bin_nbytes || !take(r, n, &p))
+        return NULL;
+    return PyBytes_FromStringAndSize((const char *)p, n);
+}
+
+static PyObject *decode_array(Reader *r, Py_ssize_t n, int depth)
+{
+    /* Every item takes at least one byte: a length beyond the body is refused before any
+       allocation, so a small body cannot make a large list. */
+    if (n > max_array_len || n > r->end - r->at || depth >= MAX_DEPTH)
+        return NULL;
+    PyObject *list = PyList_New(n);
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = decode(r, depth + 1);
+        if (item == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, item);
+    }
+    return list;
+}
+
+static PyObject *decode_map(Reader *r, Py_ssize_t n, int depth)
+{
+    if (n > max_map_len || n > (r->end - r->at) / 2 || depth >= MAX_DEPTH)
+        return NULL;
+    PyObject *dict = PyDict_New();
+    if (dict == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = decode(r, depth + 1);
+        if (key == NULL || !PyUnicode_CheckExact(key)) { /* str keys only (bytes: Python) */
+            Py_XDECREF(key);
+            Py_DECREF(dict);
+            return NULL;
+        }
+        PyObject *value = decode(r, depth + 1);
+        if (value == NULL || PyDict_SetItem(dict, key, value) < 0) { /* last duplicate wins */
+            Py_DECREF(key);
+            Py_XDECREF(value);
+            Py_DECREF(dict);
+            return NULL;
+        }
+        Py_DECREF(key);
+        Py_DECREF(value);
+    }
+    return dict;
+}
+
+/* One object, new reference; NULL (no exception set) for anything unsupported or invalid. */
+static PyObject *decode(Reader *r, int depth)
+{
+    const unsigned char *p;
+    uint64_t n;
+    if (!take(r, 1, &p))
+        return NULL;
+    unsigned char tag = *p;
+    if (tag <= 0x7f)
+        return PyLong_FromLong(tag);
+    if (tag >= 0xe0)
+        return PyLong_FromLong((long)(signed char)tag);
+    if (tag >= 0xa0 && tag <= 0xbf)
+        return decode_str(r, tag & 0x1f);
+    if (tag >= 0x90 && tag <= 0x9f)
+        return decode_array(r, tag & 0x0f, depth);
+    if (tag >= 0x80 && tag <= 0x8f)
+        return decode_map(r, tag & 0x0f, depth);
+    switch (tag) {
+    case 0xc0:
+        Py_RETURN_NONE;
+    case 0xc2:
+        Py_RETURN_FALSE;
+    case 0xc3:
+        Py_RETURN_TRUE;
+    case 0xcc: case 0xcd: case 0xce: case 0xcf: /* uint 8/16/32/64 */
+        if (!read_be(r, 1 << (tag - 0xcc), &n))
+            return NULL;
+        return PyLong_FromUnsignedLongLong(n);
+    case 0xd0: case 0xd1: case 0xd2: case 0xd3: { /* int 8/16/32/64, two's complement */
+        int nbytes = 1 << (tag - 0xd0);
+        if (!read_be(r, nbytes, &n))
+            return NULL;
+        int64_t v = nbytes == 8 ? (int64_t)n
+                                : (int64_t)(n ^ (1ULL << (8 * nbytes - 1))) - (1LL << (8 * nbytes - 1));
+        return PyLong_FromLongLong(v);
+    }
+    case 0xd9: case 0xda: case 0xdb: /* str 8/16/32 */
+        if (!read_be(r, 1 << (tag - 0xd9), &n))
+            return NULL;
+        return n > (uint64_t)PY_SSIZE_T_MAX ? NULL : decode_str(r, (Py_ssize_t)n);
+    case 0xc4: case 0xc5: case 0xc6: /* bin 8/16/32 */
+        if (!read_be(r, 1 << (tag - 0xc4), &n))
+            return NULL;
+        return n > (uint64_t)PY_SSIZE_T_MAX ? NULL : decode_bin(r, (Py_ssize_t)n);
+    case 0xdc: case 0xdd: /* array 16/32 */
+        if (!read_be(r, tag == 0xdc ? 2 : 4, &n))
+            return NULL;
+        return decode_array(r, (Py_ssize_t)n, depth);
+    case 0xde: case 0xdf: /* map 16/32 */
+        if (!read_be(r, tag == 0xde ? 2 : 4, &n))
+            return NULL;
+        return decode_map(r, (Py_ssize_t)n, depth);
+    default: /* floats, ext types, the never-used 0xc1: the Python path */
+        return NULL;
+    }
+}
+
+/* The body as exactly one object, or NULL with no exception set. */
+static PyObject *decode_body(const unsigned char *body, Py_ssize_t nbytes)
+{
+    Reader r = {body, body + nbytes};
+    PyObject *obj = decode(&r, 0);
+    if (obj == NULL)
+        PyErr_Clear(); /* e.g. MemoryError: the Python path meets it again and raises it */
+    else if (r.at != r.end)
+        Py_CLEAR(obj); /* trailing bytes */
+    return obj;
+}
+
+/* An int in [0, 2**64): what parse_request and parse_reply accept as a request id. */
+static int is_request_id(PyObject *value)
+{
+    if (!PyLong_CheckExact(value))
+        return 0;
+    PyLong_AsUnsignedLongLong(value); /* OverflowError below 0 or above 2**64 - 1 */
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
+/* A body as parse_request(unpack_body(body)) returns it: a new (request_id, op, args) tuple,
+   or NULL (no exception set) for the Python path. */
+static PyObject *request_of(const unsigned char *body, Py_ssize_t nbytes)
+{
+    PyObject *obj = decode_body(body, nbytes), *result = NULL;
+    if (obj == NULL)
+        return NULL;
+    if (PyList_CheckExact(obj) && PyList_GET_SIZE(obj) == 3) {
+        PyObject *request_id = PyList_GET_ITEM(obj, 0), *op = PyList_GET_ITEM(obj, 1),
+                 *args = PyList_GET_ITEM(obj, 2);
+        /* args is a dict whose keys are str: decode_map makes no other. */
+        if (is_request_id(request_id) && PyUnicode_CheckExact(op)
+                && PyUnicode_GET_LENGTH(op) > 0 && PyUnicode_GET_LENGTH(op) <= max_op_len
+                && PyDict_CheckExact(args))
+            result = PyTuple_Pack(3, request_id, op, args);
+    }
+    Py_DECREF(obj);
+    PyErr_Clear();
+    return result;
+}
+
+/* A success reply as parse_reply(unpack_body(body)) returns it: (request_id, result), or NULL
+   (no exception set) for the Python path, which raises the error an error reply carries. */
+static PyObject *reply_of(const unsigned char *body, Py_ssize_t nbytes)
+{
+    PyObject *obj = decode_body(body, nbytes), *result = NULL;
+    if (obj == NULL)
+        return NULL;
+    if (PyList_CheckExact(obj) && PyList_GET_SIZE(obj) == 3
+            && PyList_GET_ITEM(obj, 1) == Py_True && is_request_id(PyList_GET_ITEM(obj, 0)))
+        result = PyTuple_Pack(2, PyList_GET_ITEM(obj, 0), PyList_GET_ITEM(obj, 2));
+    Py_DECREF(obj);
+    PyErr_Clear();
+    return result;
+}
+
+typedef PyObject *(*BodyDecoder)(const unsigned char *, Py_ssize_t);
+
+/* `decode_one` of a body (a bytes-like object), or None. */
+static PyObject *decode_buffer(PyObject *body, BodyDecoder decode_one)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(body, &view, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *result = decode_one(view.buf, view.len);
+    PyBuffer_Release(&view);
+    if (result == NULL)
+        Py_RETURN_NONE;
+    return result;
+}
+
+/* `decode_one` of every frame of a chunk that holds whole frames only (length prefix, body),
+   as a list; None if the chunk holds anything else (a partial frame, a bad length prefix) or
+   any body is one for the Python path: the caller then feeds the chunk to its FrameDecoder. */
+static PyObject *decode_frames(PyObject *chunk, BodyDecoder decode_one)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(chunk, &view, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    const unsigned char *at = view.buf, *end = at + view.len;
+    PyObject *results = PyList_New(0);
+    while (results != NULL && at < end) {
+        uint64_t nbytes = 0;
+        Reader r = {at, end};
+        PyObject *result = NULL;
+        if (read_be(&r, 4, &nbytes) && nbytes > 0 && (Py_ssize_t)nbytes <= max_frame_nbytes
+                && (Py_ssize_t)nbytes <= end - r.at)
+            result = decode_one(r.at, (Py_ssize_t)nbytes);
+        if (result == NULL || PyList_Append(results, result) < 0)
+            Py_CLEAR(results);
+        Py_XDECREF(result);
+        at = r.at + nbytes;
+    }
+    PyBuffer_Release(&view);
+    if (results == NULL || PyList_GET_SIZE(results) == 0) {
+        PyErr_Clear();
+        Py_XDECREF(results);
+        Py_RETURN_NONE;
+    }
+    return results;
+}
+
+static PyObject *wire_request(PyObject *module, PyObject *body)
+{
+    return decode_buffer(body, request_of);
+}
+
+static PyObject *wire_reply(PyObject *module, PyObject *body)
+{
+    return decode_buffer(body, reply_of);
+}
+
+static PyObject *wire_requests(PyObject *module, PyObject *chunk)
+{
+    return decode_frames(chunk, request_of);
+}
+
+static PyObject *wire_replies(PyObject *module, PyObject *chunk)
+{
+    return decode_frames(chunk, reply_of);
+}
+
+/* ---- encoding: FrameEncoder.frame for the common objects ------------------------------------ */
+
+typedef struct {
+    unsigned char *data;
+    Py_ssize_t size, capacity;
+    unsigned char inline_data[512]; /* a batch-1 frame never leaves it */
+} Writer;
+
+static int reserve(Writer *w, Py_ssize_t n)
+{
+    if (w->capacity - w->size >= n)
+        return 1;
+    if (w->size + n > max_frame_nbytes + 4)
+        return 0; /* too large: the Python path raises TooLargeError */
+    Py_ssize_t capacity = w->capacity * 2 > w->size + n ? w->capacity * 2 : w->size + n;
+    unsigned char *data = w->data == w->inline_data ? PyMem_Malloc(capacity)
+                                                    : PyMem_Realloc(w->data, capacity);
+    if (data == NULL)
+        return 0;
+    if (w->data == w->inline_data)
+        memcpy(data, w->inline_data, w->size);
+    w->data = data;
+    w->capacity = capacity;
+    return 1;
+}
+
+/* A tag byte followed by `nbytes` big-endian bytes of `value` (nbytes 0, 1, 2, 4 or 8). */
+static int put(Writer *w, unsigned char tag, int nbytes, uint64_t value)
+{
+    if (!reserve(w, 1 + nbytes))
+        return 0;
+    unsigned char *p = w->data + w->size;
+    *p++ = tag;
+    for (int i = nbytes - 1; i >= 0; i--)
+        *p++ = (unsigned char)(value >> (8 * i));
+    w->size += 1 + nbytes;
+    return 1;
+}
+
+/* The smallest of msgpack's length forms, as msgpack's Packer chooses it. `fix` is the tag of
+   the short form holding lengths below `fix_limit` (0: none), `tag8` that of the 8-bit form
+   (0: none; bin has no fix form, arrays and maps no 8-bit form), then the 16- and 32-bit ones. */
+static int put_length(Writer *w, Py_ssize_t n, unsigned char fix, Py_ssize_t fix_limit,
+                      unsigned char tag8, unsigned char tag16)
+{
+    if (n < fix_limit)
+        return put(w, fix | (unsigned char)n, 0, 0);
+    if (tag8 && n <= 0xff)
+        return put(w, tag8, 1, (uint64_t)n);
+    if (n <= 0xffff)
+        return put(w, tag16, 2, (uint64_t)n);
+    if ((uint64_t)n <= 0xffffffffULL)
+        return put(w, tag16 + 1, 4, (uint64_t)n);
+    return 0;
+}
+
+static int put_bytes(Writer *w, const char *bytes, Py_ssize_t n)
+{
+    if (!reserve(w, n))
+        return 0;
+    memcpy(w->data + w->size, bytes, n);
+    w->size += n;
+    return 1;
+}
+
+static int encode(Writer *w, PyObject *obj, int depth);
+
+static int encode_int(Writer *w, PyObject *obj)
+{
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow > 0) { /* above 2**63 - 1: uint 64, or too large for msgpack */
+        unsigned long long u = PyLong_AsUnsignedLongLong(obj);
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        return put(w, 0xcf, 8, u);
+    }
+    if (overflow < 0 || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (v >= 0) {
+        if (v <= 0x7f)
+            return put(w, (unsigned char)v, 0, 0);
+        if (v <= 0xff)
+            return put(w, 0xcc, 1, (uint64_t)v);
+        if (v <= 0xffff)
+            return put(w, 0xcd, 2, (uint64_t)v);
+        if (v <= 0xffffffffLL)
+            return put(w, 0xce, 4, (uint64_t)v);
+        return put(w, 0xcf, 8, (uint64_t)v);
+    }
+    if (v >= -32)
+        return put(w, (unsigned char)(signed char)v, 0, 0);
+    if (v >= -0x80)
+        return put(w, 0xd0, 1, (uint64_t)v);
+    if (v >= -0x8000)
+        return put(w, 0xd1, 2, (uint64_t)v);
+    if (v >= -0x80000000LL)
+        return put(w, 0xd2, 4, (uint64_t)v);
+    return put(w, 0xd3, 8, (uint64_t)v);
+}
+
+static int encode_str(Writer *w, PyObject *obj)
+{
+    Py_ssize_t n;
+    const char *utf8 = PyUnicode_AsUTF8AndSize(obj, &n);
+    if (utf8 == NULL) { /* lone surrogates: msgpack's Packer raises for them too */
+        PyErr_Clear();
+        return 0;
+    }
+    return put_length(w, n, 0xa0, 32, 0xd9, 0xda) && put_bytes(w, utf8, n);
+}
+
+static int encode(Writer *w, PyObject *obj, int depth)
+{
+    if (obj == Py_None)
+        return put(w, 0xc0, 0, 0);
+    if (obj == Py_False)
+        return put(w, 0xc2, 0, 0);
+    if (obj == Py_True)
+        return put(w, 0xc3, 0, 0);
+    if (PyLong_CheckExact(obj))
+        return encode_int(w, obj);
+    if (PyUnicode_CheckExact(obj))
+        return encode_str(w, obj);
+    if (PyBytes_CheckExact(obj)) {
+        Py_ssize_t n = PyBytes_GET_SIZE(obj);
+        return put_length(w, n, 0, 0, 0xc4, 0xc5) && put_bytes(w, PyBytes_AS_STRING(obj), n);
+    }
+    if (depth >= MAX_DEPTH)
+        return 0;
+    if (PyList_CheckExact(obj)) {
+        Py_ssize_t n = PyList_GET_SIZE(obj);
+        if (!put_length(w, n, 0x90, 16, 0, 0xdc))
+            return 0;
+        /* (an item's encoding runs no Python code, so the list cannot change under us) */
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (!encode(w, PyList_GET_ITEM(obj, i), depth + 1))
+                return 0;
+        return 1;
+    }
+    if (PyDict_CheckExact(obj)) {
+        Py_ssize_t position = 0;
+        PyObject *key, *value;
+        if (!put_length(w, PyDict_GET_SIZE(obj), 0x80, 16, 0, 0xde))
+            return 0;
+        while (PyDict_Next(obj, &position, &key, &value))
+            if (!PyUnicode_CheckExact(key) || !encode_str(w, key) || !encode(w, value, depth + 1))
+                return 0;
+        return 1;
+    }
+    return 0; /* floats, tuples, NumPy scalars, subclasses...: the Python path */
+}
+
+static PyObject *wire_frame(PyObject *module, PyObject *obj)
+{
+    Writer w;
+    w.data = w.inline_data;
+    w.size = 4; /* the length prefix, filled in below */
+    w.capacity = sizeof w.inline_data;
+    PyObject *frame = NULL;
+    if (encode(&w, obj, 0)) {
+        uint32_t nbytes = (uint32_t)(w.size - 4);
+        w.data[0] = (unsigned char)(nbytes >> 24);
+        w.data[1] = (unsigned char)(nbytes >> 16);
+        w.data[2] = (unsigned char)(nbytes >> 8);
+        w.data[3] = (unsigned char)nbytes;
+        if ((Py_ssize_t)nbytes <= max_frame_nbytes)
+            frame = PyBytes_FromStringAndSize((const char *)w.data, w.size);
+    }
+    if (w.data != w.inline_data)
+        PyMem_Free(w.data);
+    if (frame == NULL) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    return frame;
+}
+
+static PyObject *wire_set_limits(PyObject *module, PyObject *args)
+{
+    if (!PyArg_ParseTuple(args, "nnnnnn", &max_frame_nbytes, &max_str_nbytes, &max_bin_nbytes,
+                          &max_array_len, &max_map_len, &max_op_len))
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef wire_methods[] = {
+    {"request", wire_request, METH_O,
+     "request(body) -> (request_id, op, args) or None: unpack_body + parse_request, or None "
+     "for the Python path"},
+    {"reply", wire_reply, METH_O,
+     "reply(body) -> (request_id, result) or None: a success reply, or None for the Python path"},
+    {"requests", wire_requests, METH_O,
+     "requests(chunk) -> [request(body) of every frame] or None: for a chunk of whole frames "
+     "whose bodies all decode here; None for the FrameDecoder and the Python path"},
+    {"replies", wire_replies, METH_O,
+     "replies(chunk) -> [reply(body) of every frame] or None: as requests(), for replies"},
+    {"frame", wire_frame, METH_O,
+     "frame(obj) -> bytes or None: FrameEncoder.frame's bytes for None, bool, int, str, bytes, "
+     "list and str-keyed dict, or None for the Python path"},
+    {"set_limits", wire_set_limits, METH_VARARGS,
+     "set_limits(max_frame_nbytes, max_str_nbytes, max_bin_nbytes, max_array_len, max_map_len, "
+     "max_op_len): the frame cap, unpack_body's limits and parse_request's op length"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef wire_module = {
+    PyModuleDef_HEAD_INIT, "kvd._wire",
+    "The common frame bodies decoded in C; see kvd/_wire.c and kvd/protocol.py.", -1,
+    wire_methods,
+};
+
+PyMODINIT_FUNC PyInit__wire(void)
+{
+    return PyModule_Create(&wire_module);
+}

@@ -1,0 +1,293 @@
+"""kvd/_wire.c against the Python path it shortcuts (kvd/protocol.py), which is its specification.
+
+The C module's contract is one-sided: whatever it returns equals what the Python path returns for
+the same input, and where it returns None the Python path runs instead. So every test here
+checks both halves: agreement whenever C answers, and that C does answer for the shapes that make
+up kvd's traffic (a module that always returned None would be correct and useless).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from kvd import protocol
+from kvd.errors import KvdError
+from kvd.protocol import (
+    MAX_ARRAY_LEN, MAX_FRAME_NBYTES, MAX_MAP_LEN, MAX_OP_NBYTES, MAX_STR_NBYTES, FrameDecoder,
+    FrameEncoder, parse_reply, parse_request, unpack_body,
+)
+
+wire = protocol._built_wire  # (tests call it directly: KVD_PURE_PYTHON only turns its use off)
+needs_wire = pytest.mark.skipif(wire is None, reason="kvd/_wire.c is not built here (a plain "
+                                "source checkout or no C compiler): only the Python path runs")
+
+
+def test_the_c_module_is_built_where_ci_requires_it() -> None:
+    """.ci/run sets KVD_REQUIRE_C=1: an install that silently fell back to Python fails there."""
+    if wire is None and os.environ.get("KVD_REQUIRE_C") != "1":
+        pytest.skip("kvd/_wire.c is not built here and KVD_REQUIRE_C is not set")
+    assert wire is not None, "KVD_REQUIRE_C=1 but kvd/_wire.c was not built (see pip's output)"
+    if os.environ.get("KVD_PURE_PYTHON") != "1":
+        assert protocol._wire is wire  # and kvd uses it
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal with equal types all the way down (True == 1 and (1,) == [1] are not enough)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) in (list, tuple):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if type(a) is dict:
+        return list(a) == list(b) and all(same(a[key], b[key]) for key in a)
+    return a == b
+
+
+def python_request(body: bytes) -> Any:
+    try:
+        return parse_request(unpack_body(body))
+    except KvdError:
+        return None
+
+
+def python_reply(body: bytes) -> Any:
+    try:
+        return parse_reply(unpack_body(body))
+    except KvdError:
+        return None
+
+
+def python_frame(obj: Any) -> bytes | None:
+    try:
+        return FrameEncoder()._pack(obj)
+    except Exception:
+        return None
+
+
+# What kvd's traffic is made of: the types kvd/_wire.c decodes and encodes.
+ints = st.integers(min_value=-(2**63), max_value=2**64 - 1)
+supported = st.recursive(
+    st.none() | st.booleans() | ints | st.text(max_size=40) | st.binary(max_size=40),
+    lambda children: (st.lists(children, max_size=20)
+                      | st.dictionaries(st.text(max_size=10), children, max_size=8)),
+    max_leaves=40)
+# And what it is not: floats, bytes map keys, tuples (packed as arrays, decoded as lists).
+anything = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**64), max_value=2**65)
+    | st.floats(allow_nan=False) | st.text(max_size=40) | st.binary(max_size=40),
+    lambda children: (st.lists(children, max_size=20) | st.tuples(children, children)
+                      | st.dictionaries(st.text(max_size=10) | st.binary(max_size=10), children,
+                                        max_size=8)),
+    max_leaves=40)
+request_ids = st.integers(min_value=0, max_value=2**64 - 1)
+ops = st.text(min_size=1, max_size=MAX_OP_NBYTES)
+
+
+def nested_depth(obj: Any) -> int:
+    if type(obj) in (list, tuple):
+        return 1 + max((nested_depth(item) for item in obj), default=0)
+    if type(obj) is dict:
+        return 1 + max((nested_depth(item) for item in obj.values()), default=0)
+    return 0
+
+
+@needs_wire
+@settings(max_examples=150, deadline=None)
+@given(request_ids, ops, st.dictionaries(st.text(max_size=10), supported, max_size=8))
+def test_requests_of_supported_types_decode_in_c_as_in_python(
+        request_id: int, op: str, args: dict[str, Any]) -> None:
+    body = msgpack.packb([request_id, op, args], use_bin_type=True)
+    assert same(wire.request(body), python_request(body))  # never None: C answered
+    assert same(protocol.decode_request(body), python_request(body))
+
+
+@needs_wire
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(anything, st.tuples(anything, anything, anything)))
+def test_any_body_decodes_in_c_as_in_python_or_not_at_all(obj: Any) -> None:
+    body = python_frame(obj)
+    assume(body is not None)  # ints msgpack cannot carry
+    for fast, slow in ((wire.request, python_request), (wire.reply, python_reply)):
+        answer = fast(body)
+        assert answer is None or same(answer, slow(body))
+
+
+@needs_wire
+@settings(max_examples=250, deadline=None)
+@given(request_ids, ops, st.dictionaries(st.text(max_size=10), supported, max_size=4),
+       st.lists(st.tuples(st.integers(min_value=0, max_value=10**6),
+                          st.integers(min_value=0, max_value=255),
+                          st.sampled_from(["flip", "insert", "delete", "truncate"])),
+                min_size=1, max_size=4))
+def test_mutated_bodies_decode_in_c_as_in_python_or_not_at_all(
+        request_id: int, op: str, args: dict[str, Any], edits: list) -> None:
+    body = bytearray(msgpack.packb([request_id, op, args], use_bin_type=True))
+    for position, value, kind in edits:
+        position %= len(body) + 1
+        if kind == "flip" and position < len(body):
+            body[position] = value
+        elif kind == "insert":
+            body[position:position] = bytes([value])
+        elif kind == "delete":
+            del body[position:position + 1]
+        elif kind == "truncate":
+            del body[position:]
+    body = bytes(body)
+    for fast, slow in ((wire.request, python_request), (wire.reply, python_reply)):
+        answer = fast(body)
+        assert answer is None or same(answer, slow(body))
+
+
+@needs_wire
+@settings(max_examples=150, deadline=None)
+@given(request_ids, supported)
+def test_success_replies_decode_in_c_and_error_replies_are_left_to_python(
+        request_id: int, result: Any) -> None:
+    body = msgpack.packb([request_id, True, result], use_bin_type=True)
+    assert same(wire.reply(body), python_reply(body))
+    assert same(protocol.decode_reply(body), python_reply(body))
+    error = msgpack.packb([request_id, False, ["NO_SPACE", "full"]], use_bin_type=True)
+    assert wire.reply(error) is None
+    with pytest.raises(KvdError, match="full"):
+        protocol.decode_reply(error)
+
+
+def header(tag: int, fmt: str, length: int) -> bytes:
+    return bytes([tag]) + struct.pack(fmt, length)
+
+
+@needs_wire
+@pytest.mark.parametrize("body", [
+    b"",  # nothing
+    msgpack.packb([1, "alloc", {}]) + b"\x00",  # trailing bytes
+    msgpack.packb([1, "alloc", {"num_blocks": 1}])[:-1],  # truncated
+    msgpack.packb([-1, "alloc", {}]),  # negative id
+    msgpack.packb([1, "", {}]),  # empty op
+    msgpack.packb([1, "x" * (MAX_OP_NBYTES + 1), {}]),  # op too long
+    msgpack.packb([1, 2, {}]),  # op not a str
+    msgpack.packb([1, "alloc", []]),  # args not a map
+    msgpack.packb([1, "alloc", {b"num_blocks": 1}], use_bin_type=True),  # bytes key
+    msgpack.packb([1, "alloc"]),  # two items
+    msgpack.packb([1, "alloc", {"x": 1.5}]),  # a float: Python decodes it
+    msgpack.packb([1, "alloc", {"x": msgpack.ExtType(1, b"")}]),  # ext: Python refuses it
+    b"\x93\x01\xa5alloc\x81\xa1x\xc1",  # 0xc1, never used
+    b"\x93\x01\xa5alloc\x81\xa1x\xa2\xff\xfe",  # invalid UTF-8
+    b"\x93\x01\xa5alloc\x81\xa1x" + header(0xdd, ">I", MAX_ARRAY_LEN + 1),  # long array
+    b"\x93\x01\xa5alloc\x81\xa1x" + header(0xdd, ">I", 2**32 - 1) + b"\x00" * 8,  # claims 4G
+    b"\x93\x01\xa5alloc" + header(0xdf, ">I", MAX_MAP_LEN + 1),  # large map
+    b"\x93\x01\xa5alloc\x81\xa1x" + header(0xdb, ">I", MAX_STR_NBYTES + 1)
+    + b"a" * (MAX_STR_NBYTES + 1),  # long str
+    b"\x93\x01\xa5alloc\x81\xa1x" + header(0xc6, ">I", 2**32 - 1),  # bin beyond the body
+    msgpack.packb([1, "alloc", {"x": [[[[[[[[[[1]]]]]]]]]]}]),  # deep: Python decodes it
+], ids=lambda body: body[:24].hex())
+def test_bodies_left_to_python(body: bytes) -> None:
+    assert wire.request(body) is None
+    slow = python_request(body)
+    try:  # decode_request agrees with the Python path: the value, or the same error type
+        assert same(protocol.decode_request(body), slow)
+    except KvdError:
+        assert slow is None
+
+
+def frame_of(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+@needs_wire
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(request_ids, ops, st.dictionaries(st.text(max_size=8), supported,
+                                                              max_size=3)),
+                min_size=1, max_size=5))
+def test_chunks_of_whole_frames_decode_in_c_and_others_go_to_the_decoder(requests: list) -> None:
+    bodies = [msgpack.packb(list(request), use_bin_type=True) for request in requests]
+    chunk = b"".join(frame_of(body) for body in bodies)
+    assert same(FrameDecoder().requests(chunk), [python_request(body) for body in bodies])
+    assert FrameDecoder().requests(chunk[:-1]) is None  # a partial frame
+    assert FrameDecoder().requests(chunk + b"\x00\x00") is None  # a partial length prefix
+    assert FrameDecoder().requests(chunk + b"\x00\x00\x00\x00") is None  # length 0
+    too_long = struct.pack(">I", MAX_FRAME_NBYTES + 1)
+    assert FrameDecoder().requests(chunk + too_long) is None
+    busy = FrameDecoder()
+    busy.feed(chunk[:3])
+    assert busy.requests(chunk) is None  # something buffered: only feed() may go on
+    replies = b"".join(frame_of(msgpack.packb([i, True, i], use_bin_type=True))
+                       for i in range(len(bodies)))
+    assert FrameDecoder().replies(replies) == [(i, i) for i in range(len(bodies))]
+
+
+@needs_wire
+@settings(max_examples=150, deadline=None)
+@given(supported)
+def test_supported_objects_encode_in_c_byte_for_byte_as_msgpack(obj: Any) -> None:
+    expected = python_frame(obj)
+    if nested_depth(obj) > 8:  # deeper than kvd/_wire.c goes: the Packer's
+        assert wire.frame(obj) is None
+    else:
+        assert wire.frame(obj) == frame_of(expected)
+    assert FrameEncoder().frame(obj) == frame_of(expected)
+
+
+@needs_wire
+@settings(max_examples=150, deadline=None)
+@given(anything)
+def test_other_objects_encode_in_c_as_msgpack_or_not_at_all(obj: Any) -> None:
+    expected = python_frame(obj)
+    frame = wire.frame(obj)
+    assert frame is None or (expected is not None and frame == frame_of(expected))
+
+
+BOUNDARY_INTS = [0, 127, 128, 255, 256, 2**16 - 1, 2**16, 2**32 - 1, 2**32, 2**63 - 1, 2**63,
+                 2**64 - 1, -1, -32, -33, -128, -129, -(2**15), -(2**15) - 1, -(2**31),
+                 -(2**31) - 1, -(2**63)]
+
+
+@needs_wire
+@pytest.mark.parametrize("obj", [
+    *BOUNDARY_INTS,
+    *("é" * n for n in (0, 15, 16, 31, 32, 127, 128, 2**15)),  # 2 bytes each: every length form
+    *(b"x" * n for n in (0, 255, 256, 2**16 - 1, 2**16)),
+    *([None] * n for n in (0, 15, 16, 2**16 - 1, 2**16)),
+    *({str(i): i for i in range(n)} for n in (0, 15, 16, 2**16)),
+])
+def test_every_length_form_encodes_as_msgpack(obj: Any) -> None:
+    assert wire.frame(obj) == frame_of(python_frame(obj))
+
+
+@needs_wire
+@pytest.mark.parametrize("obj", [2**64, -(2**63) - 1, 1.5, (1, 2), "\ud800", True.__class__,
+                                 [object()], {1: 2}, {"a": {"b": b"x" * (MAX_FRAME_NBYTES + 1)}}])
+def test_objects_left_to_the_packer(obj: Any) -> None:
+    assert wire.frame(obj) is None
+
+
+@needs_wire
+def test_kvd_pure_python_turns_the_c_module_off() -> None:
+    code = "from kvd import protocol; print(protocol._wire is None)"
+    for value, expected in (("1", "True"), ("0", "False")):
+        env = {**os.environ, "KVD_PURE_PYTHON": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        assert out == expected
+
+
+@needs_wire
+@pytest.mark.skipif(os.environ.get("KVD_PURE_PYTHON") == "1", reason="KVD_PURE_PYTHON=1 is set")
+def test_use_c_switches_the_codec_in_process() -> None:
+    body = msgpack.packb([1, "alloc", {"num_blocks": 1}])
+    try:
+        assert protocol.use_c(False) is False
+        assert FrameDecoder().requests(struct.pack(">I", len(body)) + body) is None
+        assert protocol.decode_request(body) == (1, "alloc", {"num_blocks": 1})  # Python's
+        assert protocol.use_c(True) is True
+        assert FrameDecoder().requests(struct.pack(">I", len(body)) + body) == [
+            (1, "alloc", {"num_blocks": 1})]
+    finally:
+        protocol.use_c(True)

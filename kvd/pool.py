@@ -360,28 +360,32 @@ class BlockPool:
         Raises (changing nothing): BadArgsError, NotFoundError (not held), InUseError (not OWNED).
         """
         self._check_seal_hints(len(block_ids), keys, parents, tiers)
-        held, state = self._held.get(owner, {}), self._state
+        held, state, num_blocks = self._held.get(owner, {}), self._state, self.num_blocks
         for block_id, key in zip(block_ids, keys):  # validate everything before changing anything
-            self._checked_id(block_id)
+            if type(block_id) is not int or not 0 <= block_id < num_blocks:
+                self._checked_id(block_id)  # raises, naming the problem
             if block_id not in held:
                 raise NotFoundError(f"block {block_id} is not held by this session")
             if state[block_id] != OWNED:
                 raise InUseError(f"block {block_id} is {self.state(block_id)}, only owned blocks "
                                  "can be sealed (sealed blocks are immutable)")
-            _check_key(key)
+            if type(key) is not bytes:  # (what the daemon passes: checked inline, no call)
+                _check_key(key)
         if len(block_ids) > 1 and len(set(block_ids)) != len(block_ids):
             raise BadArgsError("seal names the same block twice")
+        hashes, index, tier_of = self._hashes, self._index, self._tier
         indexed = []  # per block: newly indexed
-        for position, (block_id, key) in enumerate(zip(block_ids, keys)):
-            self._state[block_id] = SEALED
-            self._hashes[block_id] = key
+        for position, block_id in enumerate(block_ids):
+            key = keys[position]
+            state[block_id] = SEALED
+            hashes[block_id] = key
             if tiers is not None:
-                self._tier[block_id] = tiers[position]
-            is_new = key not in self._index
+                tier_of[block_id] = tiers[position]
+            is_new = key not in index
             if is_new:
                 if parents is not None and parents[position] is not None:
                     self._adopt(block_id, parents[position])
-                self._index[key] = block_id
+                index[key] = block_id
             indexed.append(is_new)
         if self.observer is not None:
             self.observer.sealed(self.journal_rows(
@@ -483,12 +487,18 @@ class BlockPool:
         Raises NotFoundError (changing nothing) if a block is not held by `owner` often enough.
         """
         held = self._held.get(owner, {})
-        # The usual release names distinct blocks, each held: two set operations in C say so.
-        # Only otherwise are pins counted block by block (to allow repeats, or to name the culprit).
-        distinct = set(block_ids)
-        if len(distinct) != len(block_ids) or not held.keys() >= distinct:
-            self._check_held(block_ids, held)
-        self._unpin(reversed(block_ids), held)
+        if len(block_ids) == 1:  # most requests: no sets, no lists, one policy call
+            if block_ids[0] not in held:
+                self._check_held(block_ids, held)
+            self._unpin_one(block_ids[0], held)
+        else:
+            # The usual release names distinct blocks, each held: two set operations in C say
+            # so. Only otherwise are pins counted block by block (repeats, or to name the
+            # culprit).
+            distinct = set(block_ids)
+            if len(distinct) != len(block_ids) or not held.keys() >= distinct:
+                self._check_held(block_ids, held)
+            self._unpin(reversed(block_ids), held)
         if not held:
             self._held.pop(owner, None)
 
@@ -555,6 +565,22 @@ class BlockPool:
         if cached_keys:
             self.policy.inserted_many(cached_keys, cached_tiers)
         self._num_sealed -= num_last_pins
+
+    def _unpin_one(self, block_id: int, held: dict[int, int]) -> None:
+        """`_unpin` of one block (held at least once), without the loop's setup and lists: the
+        single-block release that most requests are (a third off, in-process old/new)."""
+        key = self._hashes[block_id]
+        if (self._state[block_id] != SEALED or self._refs[block_id] != 1
+                or self._index.get(key) != block_id or self._is_orphan[block_id]):
+            self._unpin((block_id,), held)  # a write aborted, a shared block, ...: the loop
+            return
+        # The last pin on an indexed block (so this owner's only one): it becomes CACHED, as
+        # in _unpin.
+        del held[block_id]
+        self._refs[block_id] = 0
+        self._state[block_id] = CACHED
+        self._num_sealed -= 1
+        self.policy.inserted(key, self._tier[block_id])
 
     # ---- recovery --------------------------------------------------------------------------
     def journal_rows(self, block_ids: Iterable[int] | None = None) -> list[JournalRow]:

@@ -1,24 +1,29 @@
-/* kvd._wire: the common frame bodies decoded in C, every other one left to kvd/protocol.py.
+/* kvd._wire: the protocol's hot pure functions in C, every uncommon case left to kvd/protocol.py.
 
 Theory of operation
 -------------------
-A batch-1 request costs kvd's daemon and client about 2 us of Python each just to turn a frame
-body into checked objects: msgpack.unpackb with ten limit arguments, then parse_request's (or
-parse_reply's) shape checks. Both are pure functions of the body, so this module does the same
-in one C pass, for the shapes that make up the traffic:
+A batch-1 request cost kvd's daemon and client several microseconds of Python just to turn bytes
+into checked objects and back: msgpack.unpackb with ten limit arguments, parse_request's (or
+parse_reply's) shape checks, the framing, the Packer, and the arg_* validators' loops. All are
+pure functions of their input, so this module does them in C, for the inputs that make up the
+traffic:
 
     request(body)  -> (request_id, op, args) | None    unpack_body + parse_request
     reply(body)    -> (request_id, result)   | None    unpack_body + parse_reply, success only
+    requests(chunk), replies(chunk)                    the same for a chunk of whole frames
+    frame(obj)     -> bytes | None                     FrameEncoder.frame (msgpack's Packer)
+    is_int_list(...), is_bytes_list(...) -> bool       arg_int_list's, arg_bytes_list's checks
 
-It decodes a *subset* of msgpack -- nil, bool, every int, str, bin, array, map with str keys --
-under the same length limits as unpack_body (set once by `set_limits`) and a shallow depth cap.
-Anything else (floats, ext types, bytes map keys, deep nesting, bad UTF-8, trailing or missing
-bytes, an error reply, a malformed shape) returns None, and the caller runs the Python path,
-which is the specification: it decodes what this module does not support, and raises the exact
-error (ProtocolError with its request id, or the error a reply carries) for what is invalid.
-So the contract is one-sided and easy to test: whenever this returns a value, it equals what
-the Python path returns for the same body (tests/test_wire.py checks that on generated and
-mutated bodies). It never raises for bad input, and reads no byte outside the body.
+It decodes and encodes a *subset* of msgpack -- nil, bool, every int, str, bin, array, map with
+str keys -- under the same length limits as unpack_body (set once by `set_limits`) and a shallow
+depth cap. Anything else (floats, ext types, bytes map keys, deep nesting, bad UTF-8, trailing or
+missing bytes, an error reply, a malformed shape, a list that fails a check) returns None (False
+for the checks), and the caller runs the Python path, which is the specification: it handles
+what this module does not support, and raises the exact error (ProtocolError with its request
+id, BadArgsError naming the argument, or the error a reply carries) for what is invalid. So the
+contract is one-sided and easy to test: whenever this answers, the answer is the Python path's
+(tests/test_wire.py checks that on generated, mutated and boundary inputs, byte for byte for
+encoding). It never raises for bad input, and reads no byte outside its input.
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -498,6 +503,80 @@ static PyObject *wire_frame(PyObject *module, PyObject *obj)
     return frame;
 }
 
+/* ---- validation: the arg_*_list checks, for the lists that pass them -------------------------- */
+
+/* The arguments of a check, positional (METH_FASTCALL: a batch-1 request cannot afford
+   PyArg_ParseTuple's tuple): 0 when they are not as documented, with TypeError set. */
+static int check_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expected)
+{
+    if (nargs != expected) {
+        PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", expected, nargs);
+        return 0;
+    }
+    for (Py_ssize_t i = 1; i < nargs; i++)
+        if (!PyLong_Check(args[i])) {
+            PyErr_SetString(PyExc_TypeError, "the limits must be ints");
+            return 0;
+        }
+    return 1;
+}
+
+/* Whether `value` is a list of at most `max_len` ints (not bools) in [0, limit]. */
+static PyObject *wire_is_int_list(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!check_args(args, nargs, 3))
+        return NULL;
+    PyObject *value = args[0];
+    Py_ssize_t max_len = PyLong_AsSsize_t(args[1]);
+    unsigned long long limit = PyLong_AsUnsignedLongLong(args[2]);
+    if (PyErr_Occurred()) { /* a negative limit admits no int: let Python say so */
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    if (!PyList_CheckExact(value) || PyList_GET_SIZE(value) > max_len)
+        Py_RETURN_FALSE;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(value); i++) {
+        PyObject *item = PyList_GET_ITEM(value, i);
+        if (!PyLong_CheckExact(item))
+            Py_RETURN_FALSE;
+        unsigned long long v = PyLong_AsUnsignedLongLong(item);
+        if (PyErr_Occurred()) { /* negative, or above 2**64 - 1 */
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        if (v > limit)
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+/* Whether `value` is a list of at most `max_len` bytes of 1 to `max_item_nbytes` bytes each
+   (or None items, if `allow_nil`). */
+static PyObject *wire_is_bytes_list(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!check_args(args, nargs, 4))
+        return NULL;
+    PyObject *value = args[0];
+    Py_ssize_t max_len = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t max_item_nbytes = PyLong_AsSsize_t(args[2]);
+    int allow_nil = PyObject_IsTrue(args[3]); /* (an int: no Python code runs) */
+    if (PyErr_Occurred()) { /* a limit beyond Py_ssize_t: let Python decide */
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    if (!PyList_CheckExact(value) || PyList_GET_SIZE(value) > max_len)
+        Py_RETURN_FALSE;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(value); i++) {
+        PyObject *item = PyList_GET_ITEM(value, i);
+        if (item == Py_None && allow_nil)
+            continue;
+        if (!PyBytes_CheckExact(item) || PyBytes_GET_SIZE(item) == 0
+                || PyBytes_GET_SIZE(item) > max_item_nbytes)
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyObject *wire_set_limits(PyObject *module, PyObject *args)
 {
     if (!PyArg_ParseTuple(args, "nnnnnn", &max_frame_nbytes, &max_str_nbytes, &max_bin_nbytes,
@@ -520,6 +599,12 @@ static PyMethodDef wire_methods[] = {
     {"frame", wire_frame, METH_O,
      "frame(obj) -> bytes or None: FrameEncoder.frame's bytes for None, bool, int, str, bytes, "
      "list and str-keyed dict, or None for the Python path"},
+    {"is_int_list", (PyCFunction)(void (*)(void))wire_is_int_list, METH_FASTCALL,
+     "is_int_list(value, max_len, limit) -> bool: a list of at most max_len ints in [0, limit] "
+     "(False: arg_int_list raises the error)"},
+    {"is_bytes_list", (PyCFunction)(void (*)(void))wire_is_bytes_list, METH_FASTCALL,
+     "is_bytes_list(value, max_len, max_item_nbytes, allow_nil) -> bool: a list of at most "
+     "max_len binary strings of 1 to max_item_nbytes bytes (False: arg_bytes_list raises)"},
     {"set_limits", wire_set_limits, METH_VARARGS,
      "set_limits(max_frame_nbytes, max_str_nbytes, max_bin_nbytes, max_array_len, max_map_len, "
      "max_op_len): the frame cap, unpack_body's limits and parse_request's op length"},

@@ -291,3 +291,60 @@ def test_use_c_switches_the_codec_in_process() -> None:
             (1, "alloc", {"num_blocks": 1})]
     finally:
         protocol.use_c(True)
+
+
+def python_check(validator: Any, value: Any, *limits: Any) -> bool:
+    """Whether the Python validator accepts `value` (C switched off for the call)."""
+    protocol.use_c(False)
+    try:
+        validator({"x": value}, "x", *limits)
+        return True
+    except KvdError:
+        return False
+    finally:
+        protocol.use_c(True)
+
+
+list_items = st.one_of(ints, st.integers(min_value=-(2**65), max_value=2**65), st.booleans(),
+                       st.none(), st.binary(max_size=70), st.text(max_size=3), st.floats())
+
+
+@needs_wire
+@pytest.mark.skipif(os.environ.get("KVD_PURE_PYTHON") == "1", reason="KVD_PURE_PYTHON=1 is set")
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.lists(list_items, max_size=12), st.lists(ints, max_size=12),
+                 st.lists(st.binary(min_size=1, max_size=64) | st.none(), max_size=12),
+                 list_items, st.tuples(ints)),
+       st.integers(min_value=-1, max_value=12), st.integers(min_value=-2, max_value=2**64),
+       st.integers(min_value=-1, max_value=70), st.booleans())
+def test_list_checks_in_c_accept_exactly_what_the_validators_accept(
+        value: Any, max_len: int, limit: int, max_item_nbytes: int, allow_nil: bool) -> None:
+    if 0 <= limit <= 2**64 - 1:  # (the validators never pass other limits)
+        assert wire.is_int_list(value, max_len, limit) == python_check(
+            protocol.arg_int_list, value, max_len, limit)
+    else:
+        assert not wire.is_int_list(value, max_len, limit)
+    assert wire.is_bytes_list(value, max_len, max_item_nbytes, allow_nil) == python_check(
+        protocol.arg_bytes_list, value, max_len, max_item_nbytes, allow_nil)
+    if wire.is_int_list(value, max_len, max(limit, 0)):  # and through the validator itself
+        assert protocol.arg_int_list({"x": value}, "x", max_len, max(limit, 0)) is value
+
+
+@needs_wire
+@pytest.mark.skipif(os.environ.get("KVD_PURE_PYTHON") == "1", reason="KVD_PURE_PYTHON=1 is set")
+@pytest.mark.parametrize("value", [[True], [1, False], [-1], [2**64], [8], [1.0], [None], (1,),
+                                   [b"x"], [0, 7], [], list(range(9))])
+def test_int_list_edge_cases(value: Any) -> None:
+    for limit in (0, 7, 2**64 - 1):
+        assert wire.is_int_list(value, 8, limit) == python_check(
+            protocol.arg_int_list, value, 8, limit)
+
+
+@needs_wire
+@pytest.mark.skipif(os.environ.get("KVD_PURE_PYTHON") == "1", reason="KVD_PURE_PYTHON=1 is set")
+@pytest.mark.parametrize("value", [[b""], [b"x" * 17], [b"x" * 16], [None], [bytearray(b"x")],
+                                   ["x"], [1], (b"x",), [], [b"x"] * 9, [b"x", None]])
+def test_bytes_list_edge_cases(value: Any) -> None:
+    for allow_nil in (False, True):
+        assert wire.is_bytes_list(value, 8, 16, allow_nil) == python_check(
+            protocol.arg_bytes_list, value, 8, 16, allow_nil)

@@ -521,19 +521,29 @@ static int check_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expect
     return 1;
 }
 
+/* Whether `value` is a list no longer than the int `max_len` (one beyond Py_ssize_t: no). */
+static int is_list_within(PyObject *value, PyObject *max_len)
+{
+    Py_ssize_t limit = PyLong_AsSsize_t(max_len);
+    if (limit == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return PyList_CheckExact(value) && PyList_GET_SIZE(value) <= limit;
+}
+
 /* Whether `value` is a list of at most `max_len` ints (not bools) in [0, limit]. */
 static PyObject *wire_is_int_list(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (!check_args(args, nargs, 3))
         return NULL;
     PyObject *value = args[0];
-    Py_ssize_t max_len = PyLong_AsSsize_t(args[1]);
     unsigned long long limit = PyLong_AsUnsignedLongLong(args[2]);
     if (PyErr_Occurred()) { /* a negative limit admits no int: let Python say so */
         PyErr_Clear();
         Py_RETURN_FALSE;
     }
-    if (!PyList_CheckExact(value) || PyList_GET_SIZE(value) > max_len)
+    if (!is_list_within(value, args[1]))
         Py_RETURN_FALSE;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(value); i++) {
         PyObject *item = PyList_GET_ITEM(value, i);
@@ -557,15 +567,12 @@ static PyObject *wire_is_bytes_list(PyObject *module, PyObject *const *args, Py_
     if (!check_args(args, nargs, 4))
         return NULL;
     PyObject *value = args[0];
-    Py_ssize_t max_len = PyLong_AsSsize_t(args[1]);
     Py_ssize_t max_item_nbytes = PyLong_AsSsize_t(args[2]);
     int allow_nil = PyObject_IsTrue(args[3]); /* (an int: no Python code runs) */
-    if (PyErr_Occurred()) { /* a limit beyond Py_ssize_t: let Python decide */
-        PyErr_Clear();
+    if (PyErr_Occurred() || !is_list_within(value, args[1])) {
+        PyErr_Clear(); /* (a limit beyond Py_ssize_t: let Python decide) */
         Py_RETURN_FALSE;
     }
-    if (!PyList_CheckExact(value) || PyList_GET_SIZE(value) > max_len)
-        Py_RETURN_FALSE;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(value); i++) {
         PyObject *item = PyList_GET_ITEM(value, i);
         if (item == Py_None && allow_nil)

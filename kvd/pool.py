@@ -236,7 +236,8 @@ class BlockPool:
             self._evict_one()
         held = self._held.setdefault(owner, {})
         state, refs, free = self._state, self._refs, self._free
-        block_ids = [free.pop() for _ in range(num_blocks)]
+        # (a comprehension is a function call: one block, the usual request, skips it)
+        block_ids = [free.pop()] if num_blocks == 1 else [free.pop() for _ in range(num_blocks)]
         for block_id in block_ids:
             state[block_id] = OWNED
             refs[block_id] = 1
@@ -430,7 +431,11 @@ class BlockPool:
             if block_id is None:
                 break
             block_ids.append(block_id)
-        self._pin_sealed(block_ids, owner, count_access=True)
+        if (len(block_ids) == 1 and self._state[block_ids[0]] == CACHED
+                and block_ids[0] != self._next_victim):
+            self._pin_cached_hit(block_ids[0], owner)  # most lookups: no loop setup
+        else:
+            self._pin_sealed(block_ids, owner, count_access=True)
         self.counters["lookups"] += 1
         self.counters["lookup_blocks"] += len(keys)
         self.counters["hit_blocks"] += len(block_ids)
@@ -451,6 +456,14 @@ class BlockPool:
                 raise InUseError(f"block {block_id} is {self.state(block_id)}: only sealed blocks "
                                  "can be shared")
         self._pin_sealed(block_ids, owner, count_access=False)
+
+    def _pin_cached_hit(self, block_id: int, owner: int) -> None:
+        """`_pin_sealed(count_access=True)` of one CACHED block that is not the next victim."""
+        self.policy.hit_evictable(self._hashes[block_id])
+        self._state[block_id] = SEALED
+        self._num_sealed += 1
+        self._refs[block_id] = 1  # (cached: nobody held it)
+        self._held.setdefault(owner, {})[block_id] = 1
 
     def _pin_sealed(self, block_ids: Sequence[int], owner: int, count_access: bool) -> None:
         if not block_ids:

@@ -29,6 +29,9 @@ from kvd.protocol import (
 wire = protocol._built_wire  # (tests call it directly: KVD_PURE_PYTHON only turns its use off)
 needs_wire = pytest.mark.skipif(wire is None, reason="kvd/_wire.c is not built here (a plain "
                                 "source checkout or no C compiler): only the Python path runs")
+# For the tests of kvd's use of the module (FrameDecoder.requests, use_c, the validators).
+in_use = pytest.mark.skipif(os.environ.get("KVD_PURE_PYTHON") == "1",
+                            reason="KVD_PURE_PYTHON=1: kvd does not use kvd/_wire.c")
 
 
 def test_the_c_module_is_built_where_ci_requires_it() -> None:
@@ -202,6 +205,7 @@ def frame_of(body: bytes) -> bytes:
 
 
 @needs_wire
+@in_use
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(request_ids, ops, st.dictionaries(st.text(max_size=8), supported,
                                                               max_size=3)),
@@ -279,7 +283,7 @@ def test_kvd_pure_python_turns_the_c_module_off() -> None:
 
 
 @needs_wire
-@pytest.mark.skipif(os.environ.get("KVD_PURE_PYTHON") == "1", reason="KVD_PURE_PYTHON=1 is set")
+@in_use
 def test_use_c_switches_the_codec_in_process() -> None:
     body = msgpack.packb([1, "alloc", {"num_blocks": 1}])
     try:
@@ -310,7 +314,7 @@ list_items = st.one_of(ints, st.integers(min_value=-(2**65), max_value=2**65), s
 
 
 @needs_wire
-@pytest.mark.skipif(os.environ.get("KVD_PURE_PYTHON") == "1", reason="KVD_PURE_PYTHON=1 is set")
+@in_use
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(st.lists(list_items, max_size=12), st.lists(ints, max_size=12),
                  st.lists(st.binary(min_size=1, max_size=64) | st.none(), max_size=12),
@@ -331,7 +335,7 @@ def test_list_checks_in_c_accept_exactly_what_the_validators_accept(
 
 
 @needs_wire
-@pytest.mark.skipif(os.environ.get("KVD_PURE_PYTHON") == "1", reason="KVD_PURE_PYTHON=1 is set")
+@in_use
 @pytest.mark.parametrize("value", [[True], [1, False], [-1], [2**64], [8], [1.0], [None], (1,),
                                    [b"x"], [0, 7], [], list(range(9))])
 def test_int_list_edge_cases(value: Any) -> None:
@@ -341,7 +345,7 @@ def test_int_list_edge_cases(value: Any) -> None:
 
 
 @needs_wire
-@pytest.mark.skipif(os.environ.get("KVD_PURE_PYTHON") == "1", reason="KVD_PURE_PYTHON=1 is set")
+@in_use
 @pytest.mark.parametrize("value", [[b""], [b"x" * 17], [b"x" * 16], [None], [bytearray(b"x")],
                                    ["x"], [1], (b"x",), [], [b"x"] * 9, [b"x", None]])
 def test_bytes_list_edge_cases(value: Any) -> None:

@@ -9,9 +9,11 @@ writes the pidfile. `serve_forever()` then multiplexes with `selectors`:
 
     listening socket   accept → SO_PEERCRED: another uid is refused with DENIED; otherwise a
                        session is opened and the peer's pidfd is watched
-    client socket      recv → FrameDecoder → for each frame: unpack, parse, Service.handle;
-                       the replies of one recv go out in one send -- at once, or after the
-                       iteration's journal commit if a seal awaits it (group commit)
+    client socket      recv → FrameDecoder (a chunk of whole frames is decoded in C at once,
+                       kvd/_wire.c; any other goes frame by frame through the Python path) →
+                       for each request: Service.handle; the replies of one recv go out in one
+                       send -- at once, or after the iteration's journal commit if a seal
+                       awaits it (group commit)
     peer pidfd         readable when the peer process dies — even if a forked child still holds
                        the socket, so EOF would come late or never — closes the session at once
     signal pipe        SIGTERM/SIGINT (set_wakeup_fd) stop the loop

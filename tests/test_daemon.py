@@ -327,6 +327,33 @@ def test_pipelined_requests_are_answered_in_order(idle):
         raw.close()
 
 
+def test_a_chunk_mixing_common_and_uncommon_frames_is_answered_frame_by_frame(idle):
+    """kvd/_wire.c decodes a chunk of whole frames at once, or leaves the whole chunk to the
+    Python path when one body is not its to decode (a float, a bytes key, a bad shape, an
+    undecodable body): every frame is then still answered, in order, as Python decides."""
+    def frame(obj: object) -> bytes:
+        body = obj if isinstance(obj, bytes) else msgpack.packb(obj, use_bin_type=True)
+        return struct.pack(">I", len(body)) + body
+
+    raw = Raw(idle.paths.socket_path)
+    try:
+        raw.hello()
+        raw.send(b"".join([
+            frame([1, "stats", {}]),
+            frame([2, "alloc", {"num_blocks": 1.5}]),  # a float: BAD_ARGS from the validator
+            frame([3, "stats", {b"x": 1}]),  # a bytes key: PROTOCOL, with the request id
+            frame(b"\xc1"),  # undecodable: PROTOCOL, no id
+            frame([5, "alloc", {"num_blocks": 1}]),
+        ]))
+        replies = [raw.reply() for _ in range(5)]
+        assert [reply[0] for reply in replies] == [1, 2, 3, None, 5]
+        assert [reply[1] is True or reply[2][0] for reply in replies] == [
+            True, "BAD_ARGS", "PROTOCOL", "PROTOCOL", True]
+        assert raw.request("stats", {})[2]["owned"] == 1  # and the session goes on
+    finally:
+        raw.close()
+
+
 # ---- every error class through the daemon, state unchanged ----------------------------------
 
 def _raises(code: str, reply: list) -> None:

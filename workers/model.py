@@ -148,6 +148,12 @@ class PagedKV:
         # The pool as rows of one block's K or V of one layer: row (block * L + layer) * 2 + part.
         self._runs = pool.reshape(-1, math.prod(pool.shape[3:]))
         self._gathered = np.empty((2, 0, self._runs.shape[1]), dtype=pool.dtype)
+        # `read`'s copy of each layer, the block table it was copied from, and how many of its
+        # leading blocks no write has touched since.
+        num_layers = pool.shape[1]
+        self._copies = [self._gathered] * num_layers  # (empty: replaced as they grow)
+        self._copied_ids: list[list[int]] = [[] for _ in range(num_layers)]
+        self._num_clean = [0] * num_layers
 
     def check_config(self, config: ModelConfig) -> None:
         """Raise BadArgsError unless the pool's block shape fits `config`."""
@@ -164,6 +170,7 @@ class PagedKV:
         if start >= end:
             return
         block_size = self.block_size
+        self._num_clean[layer] = min(self._num_clean[layer], start // block_size)
         head_end = min(end, -(-start // block_size) * block_size)  # partial first block
         tail_start = max(head_end, end // block_size * block_size)  # partial last block
         table = self.block_ids
@@ -184,9 +191,10 @@ class PagedKV:
     def gather(self, layer: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """K and V of positions [0, num_tokens) in the pool's dtype, (num_tokens, H, D) each.
 
-        Both are views of a buffer this PagedKV reuses: they hold until its next `gather` or
-        `read`. A fresh output per call had glibc map and fault in new pages every time, which
-        cost 5-6x the copy itself (bench/data_plane.py).
+        Both are views of a buffer this PagedKV reuses: they hold until its next `gather`. A
+        fresh output per call had glibc map and fault in new pages every time, which cost 5-6x
+        the copy itself (bench/data_plane.py). Every call copies every block (the data plane's
+        measure); `read` copies only what changed.
         """
         num_blocks = -(-num_tokens // self.block_size)
         rows = self._checked_rows(layer, np.asarray(self.block_ids[:num_blocks], dtype=np.intp))
@@ -211,8 +219,33 @@ class PagedKV:
         return (block_ids * num_layers + layer) * 2
 
     def read(self, layer: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        keys, values = self.gather(layer, num_tokens)
-        return from_storage(keys), from_storage(values)
+        """K and V of positions [0, num_tokens) as float32, (num_tokens, H, D) each, for the model.
+
+        Decode reads every layer once per generated token, and since a layer's last read only
+        the block its write touched has changed: sealed blocks are immutable and the sequence's
+        pins keep every block of the table its own. So each layer keeps a copy of its own, and a
+        read copies only the blocks from the first one written (or whose table entry changed)
+        since, one block per decode step instead of the whole context (a kvd worker's decode
+        spent 16 % of its time re-gathering, bench/e2e.py under py-spy). The cost is one
+        layer's copy per layer instead of one buffer: a private K/V of the sequence, as
+        ContiguousKV holds. The views hold until this layer's next `read`.
+        """
+        num_blocks = -(-num_tokens // self.block_size)
+        table = self.block_ids[:num_blocks]
+        copy, clean = self._copies[layer], min(self._num_clean[layer], num_blocks)
+        if self._copied_ids[layer][:clean] != table[:clean]:  # re-tabled (never in decode)
+            clean = 0
+        if copy.shape[1] < num_blocks:  # grow geometrically, keeping what is still current
+            grown = np.empty((2, max(num_blocks, 2 * copy.shape[1]), self._runs.shape[1]),
+                             dtype=self.pool.dtype)
+            grown[:, :clean] = copy[:, :clean]
+            self._copies[layer] = copy = grown
+        rows = self._checked_rows(layer, np.asarray(table[clean:], dtype=np.intp))
+        for part in (K, V):  # (as in gather: into the copy directly)
+            np.take(self._runs, rows + part, axis=0, out=copy[part, clean:num_blocks], mode="clip")
+        self._copied_ids[layer], self._num_clean[layer] = table, num_blocks
+        tokens = copy[:, :num_blocks].reshape(2, -1, *self.pool.shape[4:])
+        return from_storage(tokens[K, :num_tokens]), from_storage(tokens[V, :num_tokens])
 
 
 @dataclass(frozen=True)

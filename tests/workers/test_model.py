@@ -184,6 +184,43 @@ def test_gather_reuses_its_buffer_and_grows_it() -> None:
     np.testing.assert_array_equal(keys, pool[table, 0, 0].reshape(-1, *by_token.shape[2:])[:100])
 
 
+def test_read_copies_only_what_changed_and_follows_writes_and_the_table() -> None:
+    """`read` keeps a copy per layer: it must still see every write, a table entry that changed
+    under it (as a copy-on-write fork's would), a table that grew, and other layers' writes must
+    not disturb it."""
+    config = ModelConfig()
+    rng = np.random.default_rng(12)
+    pool = rng.standard_normal((12, config.num_layers, 2, BLOCK_SIZE, config.num_kv_heads,
+                                config.head_dim)).astype(np.float32)
+    table = _scattered_table(rng, 12, 3)
+    spare = next(i for i in range(12) if i not in table)
+    paged = PagedKV(pool, table)
+
+    def expected(layer: int, num_tokens: int) -> np.ndarray:
+        return pool[table, layer].swapaxes(0, 1).reshape(
+            2, -1, config.num_kv_heads, config.head_dim)[:, :num_tokens]
+
+    def check(layer: int, num_tokens: int) -> None:
+        keys, values = paged.read(layer, num_tokens)
+        np.testing.assert_array_equal(np.stack([keys, values]), expected(layer, num_tokens))
+
+    check(1, 40)
+    check(0, 40)
+    new = rng.standard_normal((5, config.num_kv_heads, config.head_dim)).astype(np.float32)
+    paged.write(1, 20, new, -new)  # inside the second block
+    check(1, 40)
+    paged.write(0, 3, new, new)  # another layer: layer 1's copy stays right
+    check(1, 40)
+    check(0, 40)
+    table[1] = spare  # re-tabled in place
+    check(1, 40)
+    table.append(int(table[0]))  # grown
+    check(1, 48)
+    check(1, 10)  # shorter
+    keys, _ = paged.read(2, 48)
+    assert not np.shares_memory(keys, paged.read(1, 48)[0])  # a copy per layer
+
+
 def test_gather_checks_layer_and_block_ids_and_the_pool_must_be_contiguous() -> None:
     config = ModelConfig()
     pool = _pool(config, 4)

@@ -20,8 +20,10 @@ stores. Two stores implement that protocol:
   `(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)`, the kvd layout. K and V
   move in contiguous runs: a block's B tokens of one layer's K (or V) are one `(B, H, D)` run in
   the pool. A write of T tokens is at most three assignments per part — a partial first block,
-  every full block in one fancy-index assignment, a partial last block; a read is one `np.take`
-  of whole runs per part into a buffer the PagedKV keeps, already in token order. With the
+  every full block in one fancy-index assignment, a partial last block; a gather is one
+  `np.take` of whole runs per part into a buffer the PagedKV keeps, already in token order, and
+  the model's `read` keeps such a copy per layer and takes only the blocks written (or
+  re-tabled) since, so a decode step copies one block per layer. With the
   geometry of bench/data_plane.py, the per-token scatter this replaced (T runs of H*D values)
   wrote 1.4-1.6x slower, and gathering K and V together into a fresh array, then untangling them
   with a transposing copy, read float32 about 3x slower (mostly faulting in the fresh

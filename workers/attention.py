@@ -10,9 +10,10 @@ For each request the worker
    shared memory, written by whichever process computed it first — writing K/V in place into the
    sequence's blocks of `client.pool` (a `PagedKV` over the block table; no KV byte crosses the
    socket);
-3. decodes greedily: before computing a new token's K/V it appends the token
-   (`client.extend_sequence`), which also seals every block the previous tokens filled, so a block
-   becomes shareable as soon as it is full;
+3. decodes greedily, appending each new token before computing its K/V; only a token whose
+   position is past the block table goes to the daemon (`client.extend_sequence`, once every
+   block_size tokens, with the tokens held since), which grows the table and seals the blocks
+   those tokens filled, so a block becomes shareable when the next one is needed;
 4. commits the rest and closes the sequence; its sealed blocks stay cached for the next request
    (a later turn of the same conversation, or another worker with the same system prompt).
 

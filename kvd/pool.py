@@ -631,9 +631,11 @@ class BlockPool:
             raise BadArgsError("the journal names a hash twice: it is corrupt")
         np.frombuffer(self._state, dtype=np.uint8)[ids] = CACHED
         np.frombuffer(self._tier, dtype=np.uint8)[ids] = tiers
-        hashes = self._hashes
-        for block_id, key in zip(ids.tolist(), keys):
-            hashes[block_id] = key
+        # One NumPy scatter, not a Python loop over a million blocks; fromiter keeps every key
+        # one object, tuples included.
+        hashes = np.empty(self.num_blocks, dtype=object)  # (all None: the pool is fresh)
+        hashes[ids] = np.fromiter(keys, dtype=object, count=len(keys))
+        self._hashes = hashes.tolist()
         self._link_restored(ids, parents)
         self.policy.restored(keys, tiers.tolist())
         self._free = array("q", np.flatnonzero(np.frombuffer(self._state, dtype=np.uint8)

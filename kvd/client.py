@@ -185,11 +185,12 @@ class Client:
                 if not nbytes:
                     raise DisconnectedError(f"the kvd daemon at {self.socket_path} closed the "
                                             "connection")
-                replies = decoder.replies(view[:nbytes])  # the usual reply, decoded in C
+                chunk = view[:nbytes]
+                replies = decoder.replies(chunk)  # the usual reply, decoded in C
                 if replies is not None:
                     reply = replies[0]
                     break
-                bodies = decoder.feed(view[:nbytes])
+                bodies = decoder.feed(chunk)
                 if bodies:
                     break
         except OSError as exc:

@@ -42,7 +42,7 @@ bodies are first offered to the C module kvd/_wire.c, which decodes them in one 
 None for anything it does not support or finds invalid -- the Python path then decodes it or
 raises its exact error. `FrameDecoder.requests`/`.replies` do the same for a chunk of whole
 frames, `FrameEncoder.frame` and the list validators likewise try C first. Together that took
-6.7-8.2 µs off a batch-1 round trip in process (bench/request_path.py, interleaved). Where the
+4.4-8.2 µs off a batch-1 round trip in process (bench/request_path.py, interleaved). Where the
 module was not built, or with KVD_PURE_PYTHON=1 in the environment, only the Python path runs.
 
 The `arg_*` validators are what op handlers call on `args`; each raises BadArgsError naming the
@@ -190,7 +190,8 @@ class FrameDecoder:
         """Bytes received but not yet returned as a frame body."""
         return len(self._buffer)
 
-    def requests(self, data: bytes | bytearray | memoryview) -> list[tuple[int, str, dict[str, Any]]] | None:
+    def requests(self, data: bytes | bytearray | memoryview
+                 ) -> list[tuple[int, str, dict[str, Any]]] | None:
         """`decode_request` of every frame in `data`, decoded in C, if `data` holds whole frames
         only, nothing is buffered and kvd/_wire.c decodes every body; else None (then `feed` it:
         this changes nothing)."""

@@ -15,6 +15,7 @@ from typing import Any
 from kvd.errors import BadArgsError, DisconnectedError, KvdError
 from kvd.geometry import DTYPES, Geometry
 from kvd.policies import DEFAULT_POLICY, POLICIES, parse_tiers
+from kvd.protocol import codec
 from kvd.runtime import DEFAULT_NAME, DaemonPaths, runtime_dir
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -100,7 +101,7 @@ def _ready_line(daemon: Any) -> str:
     return (f"kvd: serving name={daemon.paths.name} socket={daemon.paths.socket_path} "
             f"segment={daemon.segment.name} blocks={g.num_blocks} "
             f"block_nbytes={g.block_nbytes} policy={daemon.service.pool.policy.name} "
-            f"pid={os.getpid()}")
+            f"codec={codec()} pid={os.getpid()}")
 
 
 def _setup_logging(level: str, stream: Any) -> None:

@@ -91,6 +91,12 @@ _IS_PURE_PYTHON = os.environ.get(PURE_PYTHON_ENV) == "1"
 _wire = None if _IS_PURE_PYTHON else _built_wire
 
 
+def codec() -> str:
+    """Which codec this process runs: "c" (kvd/_wire.c) or "python" (`kvd start` prints it in
+    its ready line and `stats` reports it, so a build that fell back to Python shows)."""
+    return "python" if _wire is None else "c"
+
+
 def use_c(enabled: bool) -> bool:
     """Turn kvd/_wire.c on or off in this process (bench/request_path.py compares the two in
     one run); returns whether it is on, which it never is where it was not built or with

@@ -37,6 +37,7 @@ from kvd.policies import TIER_NAMES, TieredPolicy
 from kvd.pool import BlockPool
 from kvd.protocol import (
     PROTOCOL_VERSION, arg_bool, arg_bytes, arg_bytes_list, arg_int, arg_int_list, check_no_extra,
+    codec,
 )
 
 MAX_BATCH = 1 << 16  # ids or hashes per request
@@ -204,6 +205,7 @@ class Service:
             "geometry": self.geometry.to_dict(), "daemon_pid": os.getpid(),
             "requests": self.ops.requests(), "errors": dict(self.ops.errors),
             "journal": "failed" if self.write_error else self.journal_state,
+            "codec": codec(),  # "python" where kvd/_wire.c was not built: the slower path
             **self._tier_stats(),
         }
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import kvd
+from kvd import protocol
 from kvd.runtime import DaemonPaths
 from conftest import daemon_name
 
@@ -87,6 +88,7 @@ def test_detach_status_stats_stop_round_trip():
         assert started.stdout.startswith(f"kvd: serving name={name}")
         assert f"socket={paths.socket_path}" in started.stdout
         assert f"segment={paths.segment_name}" in started.stdout
+        assert f"codec={protocol.codec()}" in started.stdout  # as built here: C unless it fell back
         with kvd.connect(name) as client:
             client.alloc(3)
             status = kvd_cli("status", "--name", name)

@@ -16,6 +16,7 @@ from kvd.errors import (
 from kvd.geometry import Geometry
 from kvd.hashing import hash_blocks, token_bytes
 from kvd.pool import BlockPool
+from kvd import protocol
 from kvd.protocol import PROTOCOL_VERSION
 from kvd.service import Service
 
@@ -215,9 +216,10 @@ def test_stats_reports_the_documented_keys(h):
     stats = h.service.handle(h.session(), "stats", {})
     for key in ("free", "owned", "sealed", "cached", "num_blocks", "allocations", "evictions",
                 "lookups", "hit_blocks", "prompt_tokens", "cached_tokens", "sessions",
-                "sequences", "policy", "uptime_s", "geometry", "requests", "errors"):
+                "sequences", "policy", "uptime_s", "geometry", "requests", "errors", "codec"):
         assert key in stats
     assert stats["policy"] == "lru"
+    assert stats["codec"] == protocol.codec()
 
 
 def test_seal_with_parents_links_the_chain_so_eviction_never_strands_a_middle(h):

@@ -199,17 +199,28 @@ class PagedKV:
         measure); `read` copies only what changed.
         """
         num_blocks = -(-num_tokens // self.block_size)
-        rows = self._checked_rows(layer, np.asarray(self.block_ids[:num_blocks], dtype=np.intp))
-        if self._gathered.shape[1] < num_blocks:  # grow geometrically: decode adds a token a step
-            self._gathered = np.empty((2, max(num_blocks, 2 * self._gathered.shape[1]),
-                                       self._runs.shape[1]), dtype=self.pool.dtype)
+        self._gathered = self._copy_blocks(self._gathered, layer, self.block_ids[:num_blocks], 0)
+        tokens = self._gathered[:, :num_blocks].reshape(2, -1, *self.pool.shape[4:])
+        return tokens[K, :num_tokens], tokens[V, :num_tokens]
+
+    def _copy_blocks(self, buffer: np.ndarray, layer: int, table: list[int],
+                     start: int) -> np.ndarray:
+        """Copy the K and V runs of `table[start:]` at `layer` into `buffer` after its first
+        `start` blocks; returns the buffer, grown geometrically if it was too small (decode adds
+        a token a step), with those first blocks kept."""
+        num_blocks = len(table)
+        if buffer.shape[1] < num_blocks:
+            grown = np.empty((2, max(num_blocks, 2 * buffer.shape[1]), self._runs.shape[1]),
+                             dtype=self.pool.dtype)
+            grown[:, :start] = buffer[:, :start]
+            buffer = grown
+        rows = self._checked_rows(layer, np.asarray(table[start:], dtype=np.intp))
         for part in (K, V):
             # mode="clip" copies straight into `out` ("raise" stages through a temporary);
             # _checked_rows has done the bounds check.
-            np.take(self._runs, rows + part, axis=0, out=self._gathered[part, :num_blocks],
+            np.take(self._runs, rows + part, axis=0, out=buffer[part, start:num_blocks],
                     mode="clip")
-        tokens = self._gathered[:, :num_blocks].reshape(2, -1, *self.pool.shape[4:])
-        return tokens[K, :num_tokens], tokens[V, :num_tokens]
+        return buffer
 
     def _checked_rows(self, layer: int, block_ids: np.ndarray) -> np.ndarray:
         """Rows of `self._runs` holding the K of `block_ids` at `layer` (V is the next row)."""
@@ -234,17 +245,10 @@ class PagedKV:
         """
         num_blocks = -(-num_tokens // self.block_size)
         table = self.block_ids[:num_blocks]
-        copy, clean = self._copies[layer], min(self._num_clean[layer], num_blocks)
+        clean = min(self._num_clean[layer], num_blocks)
         if self._copied_ids[layer][:clean] != table[:clean]:  # re-tabled (never in decode)
             clean = 0
-        if copy.shape[1] < num_blocks:  # grow geometrically, keeping what is still current
-            grown = np.empty((2, max(num_blocks, 2 * copy.shape[1]), self._runs.shape[1]),
-                             dtype=self.pool.dtype)
-            grown[:, :clean] = copy[:, :clean]
-            self._copies[layer] = copy = grown
-        rows = self._checked_rows(layer, np.asarray(table[clean:], dtype=np.intp))
-        for part in (K, V):  # (as in gather: into the copy directly)
-            np.take(self._runs, rows + part, axis=0, out=copy[part, clean:num_blocks], mode="clip")
+        self._copies[layer] = copy = self._copy_blocks(self._copies[layer], layer, table, clean)
         self._copied_ids[layer], self._num_clean[layer] = table, num_blocks
         tokens = copy[:, :num_blocks].reshape(2, -1, *self.pool.shape[4:])
         return from_storage(tokens[K, :num_tokens]), from_storage(tokens[V, :num_tokens])

@@ -26,7 +26,9 @@ out); the mean wall time of both is what a commit costs amortised, the max the l
 Beside that pool, a second full pool without a journal runs the same alloc → seal → release
 rounds, the two taking turns slice by slice: CPU per round with and without the journal, the
 journal's share of the metadata work itself (no sockets, scheduler or cold caches, so no
-placement moves it), with the seal step and the journal's commit and upkeep shown apart.
+placement moves it), with the seal step and the journal's commit and upkeep shown apart; and,
+where kvd/_wire.c is built, a third turn of the journaled pool with its records packed in Python
+(`protocol.use_c(False)`): what the C packer saves, measured side by side.
 
 Seal throughput. Two real daemons side by side, one journaled and one `--no-journal`, in two
 scenarios (SEAL_POOL_BLOCKS): a fresh pool that never evicts, and a full one where every
@@ -465,6 +467,7 @@ def bench_commit_cost(seconds: float, batch_sizes: tuple[int, ...] = BATCH_SIZES
     journal) on a second full pool without one, taking turns slice by slice: the CPU a round
     costs with and without the journal, with no scheduler, socket or cold cache in between —
     the journal's own share of a round, the figure no placement moves."""
+    from kvd import protocol
     from kvd.journal import Journal
     from kvd.pool import BlockPool
     from kvd.runtime import SHM_DIR
@@ -487,12 +490,19 @@ def bench_commit_cost(seconds: float, batch_sizes: tuple[int, ...] = BATCH_SIZES
             next_key = num_blocks + churn(pool, journal, first_key=num_blocks)
             samples: dict[str, list[int]] = {step: [] for step in ROUND_STEPS}
             plain: dict[str, list[int]] = {step: [] for step in ROUND_STEPS}
-            for _ in range(NUM_SLICES):  # taking turns: machine noise hits both pools alike
-                next_key = time_rounds(pool, journal, batch_size, seconds / NUM_SLICES / 2,
-                                       next_key, samples)
-                next_key = time_rounds(plain_pool, None, batch_size, seconds / NUM_SLICES / 2,
-                                       next_key, plain)
+            python: dict[str, list[int]] = {step: [] for step in ROUND_STEPS}
+            turns = [(pool, journal, samples), (plain_pool, None, plain)]
+            if protocol.native() is not None:  # and the journal packing records in Python
+                turns.append((pool, journal, python))
+            for _ in range(NUM_SLICES):  # taking turns: machine noise hits every one alike
+                for each, each_journal, each_samples in turns:
+                    protocol.use_c(each_samples is not python)
+                    next_key = time_rounds(each, each_journal, batch_size,
+                                           seconds / NUM_SLICES / 2, next_key, each_samples)
+            protocol.use_c(True)
             rows[str(batch_size)] = summarise_commits(samples, plain)
+            if python["round"]:
+                rows[str(batch_size)]["python"] = summarise_commits(python, plain)
             rows[str(batch_size)].update(num_log_records=journal.num_log_records,
                                          num_live=pool.num_cached)
             journal.close()
@@ -595,13 +605,16 @@ def print_commit_table(commits: dict) -> None:
               f"{row['num_log_records'] / row['num_live']:9.2f}")
     print("\nThe same rounds (alloc → seal → release; commit + upkeep with the journal) on a full "
           "pool with and without a journal, in turns; CPU us per round, means")
-    print(f"{'':5} {'round':>17} {'seal':>17} {'journal only':>15}")
+    print(f"{'':5} {'round':>17} {'seal':>17} {'journal only':>23} {'records in Python':>18}")
     print(f"{'batch':>5} {'plain':>8} {'journal':>8} {'plain':>8} {'journal':>8} {'commit':>7} "
-          f"{'upkeep':>7} {'cost':>7}")
+          f"{'upkeep':>7} {'cost':>7} {'commit':>9} {'cost':>8}")
     for batch, row in commits["batches"].items():
+        python = row.get("python")
         print(f"{batch:>5} {row['plain_round_cpu_us']:8.1f} {row['round_cpu_us']:8.1f} "
               f"{row['plain_seal_cpu_us']:8.1f} {row['seal_cpu_us']:8.1f} {row['cpu_us']:7.1f} "
-              f"{row['tidy_cpu_us']:7.1f} {row['journal_cost']:7.1%}")
+              f"{row['tidy_cpu_us']:7.1f} {row['journal_cost']:7.1%} "
+              + (f"{python['cpu_us']:9.1f} {python['journal_cost']:8.1%}" if python
+                 else f"{'-':>9} {'-':>8}"))
 
 
 def print_seal_table(clients: dict) -> None:

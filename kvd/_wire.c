@@ -14,16 +14,21 @@ traffic:
     frame(obj)     -> bytes | None                     FrameEncoder.frame (msgpack's Packer)
     is_int_list(...), is_bytes_list(...) -> bool       arg_int_list's, arg_bytes_list's checks
 
+and, by the same rules, the one pure function on the journal's reply path (kvd/journal.py: every
+seal's reply waits for its commit):
+
+    journal_records(...) -> (key_width, bytes) | None  _records: a commit's records, packed
+
 It decodes and encodes a *subset* of msgpack -- nil, bool, every int, str, bin, array, map with
 str keys -- under the same length limits as unpack_body (set once by `set_limits`) and a shallow
 depth cap. Anything else (floats, ext types, bytes map keys, deep nesting, bad UTF-8, trailing or
-missing bytes, an error reply, a malformed shape, a list that fails a check) returns None (False
-for the checks), and the caller runs the Python path, which is the specification: it handles
+missing bytes, an error reply, a malformed shape, a list that fails a check, a journal row that
+struct would not pack as is) returns None (False for the checks), and the caller runs the Python path, which is the specification: it handles
 what this module does not support, and raises the exact error (ProtocolError with its request
 id, BadArgsError naming the argument, or the error a reply carries) for what is invalid. So the
 contract is one-sided and easy to test: whenever this answers, the answer is the Python path's
 (tests/test_wire.py checks that on generated, mutated and boundary inputs, byte for byte for
-encoding). It never raises for bad input, and reads no byte outside its input.
+encoding and packing). It never raises for bad input, and reads no byte outside its input.
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -584,6 +589,149 @@ static PyObject *wire_is_bytes_list(PyObject *module, PyObject *const *args, Py_
     Py_RETURN_TRUE;
 }
 
+/* ---- the journal's records: Journal._append's packing (kvd/journal.py's layout) ---------------- */
+
+/* kvd/journal.py's record: 35 header bytes, then the key zero-padded to the chunk's key width. */
+#define RECORD_HEADER_NBYTES 35
+#define RECORD_MAX_KEY_NBYTES 255
+#define RECORD_SEAL 1
+#define RECORD_EVICT 2
+
+static void put_le(unsigned char *at, uint64_t value, int nbytes)
+{
+    for (int i = 0; i < nbytes; i++, value >>= 8)
+        at[i] = (unsigned char)value;
+}
+
+/* An exact int in [lo, hi] into *value; 0 (no error set) otherwise. */
+static int int_within(PyObject *obj, long long lo, long long hi, long long *value)
+{
+    if (!PyLong_CheckExact(obj))
+        return 0;
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred()) || v < lo || v > hi) {
+        PyErr_Clear();
+        return 0;
+    }
+    *value = v;
+    return 1;
+}
+
+/* An exact int in [0, 2**64 - 1] into *value; 0 (no error set) otherwise. */
+static int u64_of(PyObject *obj, uint64_t *value)
+{
+    if (!PyLong_CheckExact(obj))
+        return 0;
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    *value = v;
+    return 1;
+}
+
+/* One SEAL record of `row` -- (block_id, key, generation, parent, parent_generation, tier) -- at
+   `at`, which is zeroed; 0 if the row is not one the journal's struct would pack. */
+static int put_seal(unsigned char *at, PyObject *row, uint64_t seal_seq)
+{
+    long long block_id, parent, tier;
+    uint64_t generation, parent_generation;
+    PyObject *key = PyTuple_GET_ITEM(row, 1);
+    if (!int_within(PyTuple_GET_ITEM(row, 0), INT32_MIN, INT32_MAX, &block_id)
+            || !u64_of(PyTuple_GET_ITEM(row, 2), &generation)
+            || !int_within(PyTuple_GET_ITEM(row, 3), INT32_MIN, INT32_MAX, &parent)
+            || !u64_of(PyTuple_GET_ITEM(row, 4), &parent_generation)
+            || !int_within(PyTuple_GET_ITEM(row, 5), 0, 255, &tier))
+        return 0;
+    put_le(at, seal_seq, 8);
+    put_le(at + 8, generation, 8);
+    put_le(at + 16, parent_generation, 8);
+    put_le(at + 24, (uint64_t)block_id, 4);
+    put_le(at + 28, (uint64_t)parent, 4);
+    at[32] = RECORD_SEAL;
+    at[33] = (unsigned char)tier;
+    at[34] = (unsigned char)PyBytes_GET_SIZE(key);
+    memcpy(at + RECORD_HEADER_NBYTES, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key));
+    return 1;
+}
+
+/* journal_records(evictions, seals, first_seal_seq, default_key_width): kvd/journal.py's
+   `_records` -- (key width, the records packed) -- or None for the Python path. */
+static PyObject *wire_journal_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "expected 4 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *evictions = args[0], *seals = args[1];
+    uint64_t first_seal_seq;
+    long long key_width;
+    if (!PyList_CheckExact(evictions) || !PyDict_CheckExact(seals)
+            || !u64_of(args[2], &first_seal_seq)
+            || !int_within(args[3], 0, RECORD_MAX_KEY_NBYTES, &key_width))
+        Py_RETURN_NONE;
+    Py_ssize_t num_seals = PyDict_GET_SIZE(seals), pos = 0;
+    if (num_seals && first_seal_seq > UINT64_MAX - (uint64_t)(num_seals - 1))
+        Py_RETURN_NONE; /* a seal_seq past 2**64 - 1: struct raises */
+    PyObject *block, *row;
+    if (num_seals)
+        key_width = 0;
+    while (PyDict_Next(seals, &pos, &block, &row)) { /* (no Python code runs: all exact types) */
+        if (!PyTuple_CheckExact(row) || PyTuple_GET_SIZE(row) != 6
+                || !PyBytes_CheckExact(PyTuple_GET_ITEM(row, 1))
+                || PyBytes_GET_SIZE(PyTuple_GET_ITEM(row, 1)) > RECORD_MAX_KEY_NBYTES)
+            Py_RETURN_NONE;
+        if (PyBytes_GET_SIZE(PyTuple_GET_ITEM(row, 1)) > key_width)
+            key_width = PyBytes_GET_SIZE(PyTuple_GET_ITEM(row, 1));
+    }
+    /* Tombstones of blocks not sealed again since: validated and counted first. */
+    Py_ssize_t num_tombstones = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(evictions); i++) {
+        long long block_id;
+        PyObject *item = PyList_GET_ITEM(evictions, i);
+        if (!int_within(item, INT32_MIN, INT32_MAX, &block_id))
+            Py_RETURN_NONE;
+        int is_sealed = PyDict_Contains(seals, item); /* (an exact int: hashing runs no code) */
+        if (is_sealed < 0) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        num_tombstones += !is_sealed;
+    }
+    Py_ssize_t record_nbytes = RECORD_HEADER_NBYTES + key_width;
+    if (num_tombstones + num_seals > PY_SSIZE_T_MAX / record_nbytes)
+        Py_RETURN_NONE;
+    PyObject *blob = PyBytes_FromStringAndSize(NULL, (num_tombstones + num_seals) * record_nbytes);
+    if (blob == NULL)
+        return NULL;
+    unsigned char *at = (unsigned char *)PyBytes_AS_STRING(blob);
+    memset(at, 0, (size_t)PyBytes_GET_SIZE(blob));
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(evictions); i++) {
+        PyObject *item = PyList_GET_ITEM(evictions, i);
+        int is_sealed = PyDict_Contains(seals, item); /* as in the first pass */
+        if (is_sealed < 0) {
+            PyErr_Clear();
+            Py_DECREF(blob);
+            Py_RETURN_NONE;
+        }
+        if (is_sealed)
+            continue;
+        put_le(at + 24, (uint64_t)PyLong_AsLongLong(item), 4);
+        at[32] = RECORD_EVICT;
+        at += record_nbytes;
+    }
+    pos = 0;
+    for (uint64_t seal_seq = first_seal_seq; PyDict_Next(seals, &pos, &block, &row);
+            seal_seq++, at += record_nbytes)
+        if (!put_seal(at, row, seal_seq)) {
+            Py_DECREF(blob);
+            Py_RETURN_NONE;
+        }
+    return Py_BuildValue("(nN)", (Py_ssize_t)key_width, blob);
+}
+
 static PyObject *wire_set_limits(PyObject *module, PyObject *args)
 {
     if (!PyArg_ParseTuple(args, "nnnnnn", &max_frame_nbytes, &max_str_nbytes, &max_bin_nbytes,
@@ -612,6 +760,9 @@ static PyMethodDef wire_methods[] = {
     {"is_bytes_list", (PyCFunction)(void (*)(void))wire_is_bytes_list, METH_FASTCALL,
      "is_bytes_list(value, max_len, max_item_nbytes, allow_nil) -> bool: a list of at most "
      "max_len binary strings of 1 to max_item_nbytes bytes (False: arg_bytes_list raises)"},
+    {"journal_records", (PyCFunction)(void (*)(void))wire_journal_records, METH_FASTCALL,
+     "journal_records(evictions, seals, first_seal_seq, default_key_width) -> (key_width, "
+     "records) or None: kvd/journal.py's _records, or None for the Python path"},
     {"set_limits", wire_set_limits, METH_VARARGS,
      "set_limits(max_frame_nbytes, max_str_nbytes, max_bin_nbytes, max_array_len, max_map_len, "
      "max_op_len): the frame cap, unpack_body's limits and parse_request's op length"},
@@ -620,7 +771,7 @@ static PyMethodDef wire_methods[] = {
 
 static struct PyModuleDef wire_module = {
     PyModuleDef_HEAD_INIT, "kvd._wire",
-    "The common frame bodies decoded in C; see kvd/_wire.c and kvd/protocol.py.", -1,
+    "The common frame bodies and journal records in C; see kvd/_wire.c and kvd/protocol.py.", -1,
     wire_methods,
 };
 

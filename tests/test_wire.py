@@ -1,4 +1,5 @@
-"""kvd/_wire.c against the Python path it shortcuts (kvd/protocol.py), which is its specification.
+"""kvd/_wire.c against the Python path it shortcuts (kvd/protocol.py, and kvd/journal.py's record
+packing), which is its specification.
 
 The C module's contract is one-sided: whatever it returns equals what the Python path returns for
 the same input, and where it returns None the Python path runs instead. So every test here
@@ -15,11 +16,12 @@ import sys
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvd import protocol
+from kvd import journal, protocol
 from kvd.errors import KvdError
 from kvd.protocol import (
     MAX_ARRAY_LEN, MAX_FRAME_NBYTES, MAX_MAP_LEN, MAX_OP_NBYTES, MAX_STR_NBYTES, FrameDecoder,
@@ -352,3 +354,120 @@ def test_bytes_list_edge_cases(value: Any) -> None:
     for allow_nil in (False, True):
         assert wire.is_bytes_list(value, 8, 16, allow_nil) == python_check(
             protocol.arg_bytes_list, value, 8, 16, allow_nil)
+
+
+# ---- the journal's records (kvd/journal.py's _records) ---------------------------------------
+def python_records(evictions: Any, seals: Any, first_seal_seq: Any) -> tuple[int, bytes] | None:
+    try:
+        return journal._records(evictions, seals, first_seal_seq)
+    except Exception:  # struct.error, sqlite3.DataError, TypeError: what commit() would raise
+        return None
+
+
+block_ids = st.integers(min_value=-(2**31), max_value=2**31 - 1)
+u64s = st.integers(min_value=0, max_value=2**64 - 1)
+# The rows BlockPool.journal_rows makes: (block_id, key, generation, parent, parent_generation,
+# tier), keys of any length the journal keeps.
+journal_rows = st.tuples(block_ids, st.binary(max_size=journal.MAX_KEY_NBYTES), u64s, block_ids,
+                         u64s, st.integers(min_value=0, max_value=255))
+# And rows it would not pack: a field out of range or of another type, a list for a tuple.
+odd_fields = st.one_of(st.integers(min_value=-(2**65), max_value=2**65), st.booleans(),
+                       st.none(), st.binary(max_size=300), st.floats(), st.text(max_size=3))
+odd_rows = st.one_of(
+    journal_rows,
+    st.tuples(odd_fields, odd_fields, odd_fields, odd_fields, odd_fields, odd_fields),
+    journal_rows.map(list), st.tuples(block_ids, st.binary(max_size=16)),
+    st.builds(lambda row, at, value: row[:at] + (value,) + row[at + 1:], journal_rows,
+              st.integers(min_value=0, max_value=5), odd_fields))
+
+
+def records_in_c(evictions: Any, seals: Any, first_seal_seq: Any) -> tuple[int, bytes] | None:
+    return wire.journal_records(evictions, seals, first_seal_seq, journal.DEFAULT_KEY_WIDTH)
+
+
+@needs_wire
+@settings(max_examples=300, deadline=None)
+@given(st.lists(block_ids, max_size=20), st.lists(journal_rows, max_size=20), u64s)
+def test_journal_records_pack_in_c_byte_for_byte_as_in_python(
+        evictions: list[int], rows: list[tuple], first_seal_seq: int) -> None:
+    """The usual rows always pack in C, to the Python path's bytes (evictions overlapping the
+    seals included: those leave no tombstone)."""
+    seals = {row[0]: row for row in rows}
+    evictions += list(seals)[::2]
+    assume(first_seal_seq + len(seals) <= 2**64)  # (seal_seq is a u64)
+    expected = python_records(evictions, seals, first_seal_seq)
+    assert expected is not None
+    assert same(records_in_c(evictions, seals, first_seal_seq), expected)
+
+
+@needs_wire
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(block_ids, odd_fields), max_size=8),
+       st.dictionaries(st.one_of(block_ids, st.text(max_size=2)), odd_rows, max_size=8),
+       st.one_of(u64s, odd_fields))
+def test_any_rows_pack_in_c_as_in_python_or_not_at_all(evictions: Any, seals: Any,
+                                                       first_seal_seq: Any) -> None:
+    packed = records_in_c(evictions, seals, first_seal_seq)
+    if packed is not None:
+        assert same(packed, python_records(evictions, seals, first_seal_seq))
+
+
+@needs_wire
+@pytest.mark.parametrize("evictions, seals, first_seal_seq", [
+    ([True], {}, 1),  # a bool for a block id (struct packs it; C leaves it to Python)
+    ([2**31], {}, 1),
+    ([], {1: (1, b"k", 0, -1, 0, 256)}, 1),  # tier out of range
+    ([], {1: (1, b"k" * 256, 0, -1, 0, 0)}, 1),  # a key longer than a record holds
+    ([], {1: (1, bytearray(b"k"), 0, -1, 0, 0)}, 1),
+    ([], {1: [1, b"k", 0, -1, 0, 0]}, 1),
+    ([], {1: (1, b"k", -1, -1, 0, 0)}, 1),
+    ([], {1: (1, b"k", 0, -1, 2**64, 0)}, 1),
+    ([], {1: (1, b"k", 0, -1, 0, 0), 2: (2, b"k", 0, -1, 0, 0)}, 2**64 - 1),  # seal_seq overflows
+    ((1,), {}, 1),
+    ([], [(1, b"k", 0, -1, 0, 0)], 1),
+])
+def test_journal_rows_left_to_python(evictions: Any, seals: Any, first_seal_seq: Any) -> None:
+    assert records_in_c(evictions, seals, first_seal_seq) is None
+
+
+@needs_wire
+def test_journal_records_of_the_edges_of_every_field() -> None:
+    rows = [(2**31 - 1, b"\xff" * 255, 2**64 - 1, -(2**31), 2**64 - 1, 255),
+            (-(2**31), b"", 0, 2**31 - 1, 0, 0), (5, b"\x00" * 16, 1, -2, 1, 1)]
+    seals = {row[0]: row for row in rows}
+    for evictions in ([], [7, 2**31 - 1, -(2**31), 8], [0] * 3):
+        assert same(records_in_c(evictions, seals, 2**64 - 3),
+                    python_records(evictions, seals, 2**64 - 3))
+    assert same(records_in_c([3, 4], {}, 1), python_records([3, 4], {}, 1))  # tombstones only
+    assert records_in_c([], {}, 1) == (journal.DEFAULT_KEY_WIDTH, b"")
+
+
+@needs_wire
+@in_use
+def test_a_journal_writes_the_same_log_with_the_c_packer_and_without(tmp_path: Any) -> None:
+    """Churn two journaled pools alike, one packing in C and one in Python: the same chunks."""
+    from kvd.pool import BlockPool
+
+    logs = []
+    for use_c in (True, False):
+        log = journal.Journal(tmp_path / f"c{use_c}")
+        pool = BlockPool(64, "lru", observer=log)
+        protocol.use_c(use_c)
+        try:
+            for start in range(0, 400, 20):  # a full pool from the fourth round on: evictions
+                keys = [i.to_bytes(8 + start % 11, "little") for i in range(start, start + 20)]
+                block_ids = pool.allocate(20, 1)
+                log.commit()  # the evictions' tombstones alone
+                pool.seal(block_ids, keys, 1, parents=[None] + keys[:-1])
+                pool.release(block_ids[::2], 1)
+                log.commit()
+                pool.release(block_ids[1::2], 1)
+        finally:
+            protocol.use_c(True)
+        logs.append(log._db.execute("SELECT * FROM log ORDER BY chunk_id").fetchall())
+        log.close()
+    assert logs[0] == logs[1]
+    kinds = np.concatenate([np.frombuffer(records, journal._record_dtype(key_width))["kind"]
+                            for _, key_width, records in logs[0]])
+    assert set(kinds.tolist()) == {journal.SEAL, journal.EVICT}
+    assert len({key_width for _, key_width, _ in logs[0]}) > 5

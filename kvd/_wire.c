@@ -14,10 +14,11 @@ traffic:
     frame(obj)     -> bytes | None                     FrameEncoder.frame (msgpack's Packer)
     is_int_list(...), is_bytes_list(...) -> bool       arg_int_list's, arg_bytes_list's checks
 
-and, by the same rules, the one pure function on the journal's reply path (kvd/journal.py: every
-seal's reply waits for its commit):
+and, by the same rules, the journal's work per commit (kvd/journal.py: every seal's reply waits
+for its commit):
 
     journal_records(...) -> (key_width, bytes) | None  _records: a commit's records, packed
+    apply_records(chunk_of, records, ...) -> int | None  _LogState.settle of those records
 
 It decodes and encodes a *subset* of msgpack -- nil, bool, every int, str, bin, array, map with
 str keys -- under the same length limits as unpack_body (set once by `set_limits`) and a shallow
@@ -732,6 +733,63 @@ static PyObject *wire_journal_records(PyObject *module, PyObject *const *args, P
     return Py_BuildValue("(nN)", (Py_ssize_t)key_width, blob);
 }
 
+/* apply_records(chunk_of, records, key_width, first_chunk_id, max_chunk_records): _LogState.settle
+   of one commit's chunks, done at once -- each record's block gets its chunk (a SEAL record's) or
+   0 (a tombstone's) in chunk_of, a writable buffer of int64 -- and the change in live blocks;
+   None, with chunk_of untouched, for records settle would not take as they are. */
+static PyObject *wire_apply_records(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "expected 5 arguments, got %zd", nargs);
+        return NULL;
+    }
+    long long key_width, first_chunk_id, max_chunk_records;
+    if (!PyBytes_CheckExact(args[1])
+            || !int_within(args[2], 0, RECORD_MAX_KEY_NBYTES, &key_width)
+            || !int_within(args[3], 0, INT64_MAX, &first_chunk_id)
+            || !int_within(args[4], 1, INT32_MAX, &max_chunk_records))
+        Py_RETURN_NONE;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *result = Py_None;
+    const unsigned char *records = (const unsigned char *)PyBytes_AS_STRING(args[1]);
+    Py_ssize_t record_nbytes = RECORD_HEADER_NBYTES + key_width;
+    Py_ssize_t num_records = PyBytes_GET_SIZE(args[1]) / record_nbytes;
+    Py_ssize_t num_slots = view.len / 8;
+    int64_t *chunk_of = (int64_t *)view.buf;
+    if (view.itemsize != 8 || view.format == NULL || strcmp(view.format, "q") != 0
+            || PyBytes_GET_SIZE(args[1]) % record_nbytes != 0
+            || (num_records - 1) / max_chunk_records > INT64_MAX - first_chunk_id)
+        goto done;
+    /* Every record checked before any slot changes: all applied, or none. */
+    for (Py_ssize_t i = 0; i < num_records; i++) {
+        const unsigned char *at = records + i * record_nbytes;
+        int32_t block_id = (int32_t)((uint32_t)at[24] | (uint32_t)at[25] << 8
+                                     | (uint32_t)at[26] << 16 | (uint32_t)at[27] << 24);
+        if (block_id < 0 || block_id >= num_slots
+                || (at[32] != RECORD_SEAL && at[32] != RECORD_EVICT))
+            goto done;
+    }
+    long long num_live = 0;
+    for (Py_ssize_t i = 0; i < num_records; i++) {
+        const unsigned char *at = records + i * record_nbytes;
+        int32_t block_id = (int32_t)((uint32_t)at[24] | (uint32_t)at[25] << 8
+                                     | (uint32_t)at[26] << 16 | (uint32_t)at[27] << 24);
+        int64_t chunk = at[32] == RECORD_SEAL ? first_chunk_id + i / max_chunk_records : 0;
+        num_live += (chunk != 0) - (chunk_of[block_id] != 0);
+        chunk_of[block_id] = chunk;
+    }
+    result = PyLong_FromLongLong(num_live);
+done:
+    PyBuffer_Release(&view);
+    if (result == Py_None)
+        Py_INCREF(result);
+    return result;
+}
+
 static PyObject *wire_set_limits(PyObject *module, PyObject *args)
 {
     if (!PyArg_ParseTuple(args, "nnnnnn", &max_frame_nbytes, &max_str_nbytes, &max_bin_nbytes,
@@ -763,6 +821,9 @@ static PyMethodDef wire_methods[] = {
     {"journal_records", (PyCFunction)(void (*)(void))wire_journal_records, METH_FASTCALL,
      "journal_records(evictions, seals, first_seal_seq, default_key_width) -> (key_width, "
      "records) or None: kvd/journal.py's _records, or None for the Python path"},
+    {"apply_records", (PyCFunction)(void (*)(void))wire_apply_records, METH_FASTCALL,
+     "apply_records(chunk_of, records, key_width, first_chunk_id, max_chunk_records) -> int or "
+     "None: _LogState.settle of one commit's chunks, the change in live blocks"},
     {"set_limits", wire_set_limits, METH_VARARGS,
      "set_limits(max_frame_nbytes, max_str_nbytes, max_bin_nbytes, max_array_len, max_map_len, "
      "max_op_len): the frame cap, unpack_body's limits and parse_request's op length"},

@@ -225,12 +225,12 @@ class _LogState:
         self.chunk_of = array("q")  # per block id: the chunk holding its live SEAL record, or 0
         self.chunks: deque[_CHUNK] = deque()  # every chunk, oldest first
         self.num_records = 0
-        self.num_live = 0  # blocks with a live SEAL record, as of the last settle()
+        self.num_live = 0  # blocks with a live SEAL record, as of the chunks applied so far
         self.seal_seq = 0  # the last seal_seq handed out
         self.next_chunk_id = 1
         # Chunks appended by commits and not yet reflected in chunk_of and num_live, as
         # (chunk id, key width, records), applied by settle() in batches, so that no reply waits
-        # for them.
+        # for them (kvd/_wire.c applies a commit's chunks at once instead: then this is empty).
         self.unsettled: list[tuple[int, int, bytes]] = []
         self.num_appended = 0  # records appended by commits since the last settle()
 
@@ -415,17 +415,28 @@ class Journal:
     # ---- the log ---------------------------------------------------------------------------
     def _append(self, log: _LogState, evictions: list[int],
                 seals: dict[int, JournalRow]) -> None:
-        """Append tombstones, then seals, as new chunks (`chunk_of` follows in settle())."""
+        """Append tombstones, then seals, as new chunks, and bring `chunk_of` up to date with
+        them: at once in C, else in the next settle()."""
         wire = protocol.native()
         packed = wire.journal_records(evictions, seals, log.seal_seq + 1, DEFAULT_KEY_WIDTH) \
             if wire is not None else None  # the usual rows packed in C, or None
         key_width, records = packed or _records(evictions, seals, log.seal_seq + 1)
         step = MAX_CHUNK_RECORDS * (_HEADER_NBYTES + key_width)
-        log.seal_seq += len(seals)
-        log.num_appended += len(records) // (_HEADER_NBYTES + key_width)
-        log.unsettled += self._write_chunks(
+        first_chunk_id = log.next_chunk_id
+        written = self._write_chunks(
             log, key_width, [records[start:start + step] for start in range(0, len(records), step)]
             if len(records) > step else [records] if records else [])
+        log.seal_seq += len(seals)
+        log.num_appended += len(records) // (_HEADER_NBYTES + key_width)
+        # In C the chunks apply at once (~0.5 us per record less than settle's NumPy pass at
+        # batch 16) -- unless older ones still wait for settle(), which must apply first.
+        num_live = wire.apply_records(log.chunk_of, records, key_width, first_chunk_id,
+                                      MAX_CHUNK_RECORDS) \
+            if wire is not None and not log.unsettled else None
+        if num_live is None:  # (also for a block beyond chunk_of: settle() reserves room)
+            log.unsettled += written
+        else:
+            log.num_live += num_live
 
     def _write_chunks(self, log: _LogState, key_width: int,
                       blobs: list[bytes]) -> list[tuple[int, int, bytes]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import struct
+from array import array
 import subprocess
 import sys
 from typing import Any
@@ -445,12 +446,13 @@ def test_journal_records_of_the_edges_of_every_field() -> None:
 @needs_wire
 @in_use
 def test_a_journal_writes_the_same_log_with_the_c_packer_and_without(tmp_path: Any) -> None:
-    """Churn two journaled pools alike, one packing in C and one in Python: the same chunks."""
+    """Churn two journaled pools alike, one packing and applying its records in C and one in
+    Python: the same chunks, compaction steps included, and the same view of the log."""
     from kvd.pool import BlockPool
 
-    logs = []
+    logs, states = [], []
     for use_c in (True, False):
-        log = journal.Journal(tmp_path / f"c{use_c}")
+        log = journal.Journal(tmp_path / f"c{use_c}", min_compact_records=16, compact_budget=32)
         pool = BlockPool(64, "lru", observer=log)
         protocol.use_c(use_c)
         try:
@@ -461,13 +463,91 @@ def test_a_journal_writes_the_same_log_with_the_c_packer_and_without(tmp_path: A
                 pool.seal(block_ids, keys, 1, parents=[None] + keys[:-1])
                 pool.release(block_ids[::2], 1)
                 log.commit()
+                log.tidy()  # compaction steps, which read chunk_of: applied in C or in settle()
                 pool.release(block_ids[1::2], 1)
+            log._log.settle()
+            states.append((log._log.chunk_of, log._log.num_live, log._log.num_records))
         finally:
             protocol.use_c(True)
         logs.append(log._db.execute("SELECT * FROM log ORDER BY chunk_id").fetchall())
         log.close()
-    assert logs[0] == logs[1]
+    assert logs[0] == logs[1] and states[0] == states[1]
+    assert states[0][1] == pool.num_cached and states[0][2] < 400 + 64  # compacted
     kinds = np.concatenate([np.frombuffer(records, journal._record_dtype(key_width))["kind"]
                             for _, key_width, records in logs[0]])
     assert set(kinds.tolist()) == {journal.SEAL, journal.EVICT}
-    assert len({key_width for _, key_width, _ in logs[0]}) > 5
+    assert len({key_width for _, key_width, _ in logs[0]}) >= 3  # runs of several key widths
+
+
+def settled(commits: list[tuple[int, bytes]], num_slots: int) -> tuple[Any, int]:
+    """chunk_of and num_live after `commits` -- (key width, records) each, as one chunk --
+    by _LogState.settle, the specification."""
+    state = journal._LogState()
+    state.reserve(num_slots - 1)
+    state.unsettled = [(chunk_id, key_width, records)
+                       for chunk_id, (key_width, records) in enumerate(commits, 1)]
+    state.settle()
+    return state.chunk_of, state.num_live
+
+
+@needs_wire
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 40), max_size=8),
+                          st.lists(st.tuples(st.integers(0, 40), st.binary(max_size=20)),
+                                   max_size=8)), max_size=12),
+       st.integers(min_value=1, max_value=5))
+def test_records_apply_in_c_as_settle_applies_them(commits: list, max_chunk_records: int) -> None:
+    """Commits applied one by one in C leave chunk_of and num_live as one settle() of them all,
+    also where a commit's records span several chunks."""
+    packed = [journal._records(evictions, {block: (block, key, 1, -1, 0, 0) for block, key in rows},
+                               1) for evictions, rows in commits]
+    chunk_of, num_live, chunk_id, spec = journal._LogState().chunk_of, 0, 1, []
+    chunk_of.frombytes(bytes(8 * 41))
+    for key_width, records in packed:
+        step = max_chunk_records * (journal._HEADER_NBYTES + key_width)
+        delta = wire.apply_records(chunk_of, records, key_width, chunk_id, max_chunk_records)
+        assert delta is not None
+        num_live += delta
+        for start in range(0, len(records), step):
+            spec.append((key_width, records[start:start + step]))
+            chunk_id += 1
+    assert (chunk_of, num_live) == settled(spec, 41)
+
+
+@needs_wire
+def test_records_left_to_settle_leave_chunk_of_untouched() -> None:
+    _, records = journal._records([3], {5: (5, b"k" * 16, 1, -1, 0, 0)}, 1)
+    assert wire.apply_records(array("q", bytes(8 * 6)), records, 16, 1, 4096) == 1
+    for chunk_of, blob, key_width in [
+            (array("q", bytes(8 * 5)), records, 16),  # block 5 beyond chunk_of: settle reserves
+            (array("i", bytes(8 * 6)), records, 16), (bytearray(48), records, 16),
+            (bytes(48), records, 16), (array("q", bytes(48)), records[:-1], 16),
+            (array("q", bytes(48)), records, 15),
+            (array("q", bytes(48)), records[:32] + b"\x07" + records[33:], 16)]:  # no such kind
+        before = bytes(chunk_of)
+        assert wire.apply_records(chunk_of, blob, key_width, 1, 4096) is None
+        assert bytes(chunk_of) == before
+
+
+@needs_wire
+@in_use
+def test_a_commit_applied_in_c_waits_for_older_chunks_left_to_settle(tmp_path: Any) -> None:
+    """A commit whose records C could not apply (a block beyond chunk_of) waits for settle();
+    the commits after it must wait too, or settle would apply the older records over theirs."""
+    log = journal.Journal(tmp_path, compact_budget=1)  # every tidy() settles
+    log.sealed([(100, b"a" * 16, 1, -1, 0, 0)])
+    log.commit()
+    log.tidy()  # chunk_of now has room for blocks up to 150
+    log.sealed([(5, b"b" * 16, 1, -1, 0, 0), (200, b"c" * 16, 1, -1, 0, 0)])
+    log.commit()  # block 200: left to settle()
+    log.evicted(5)
+    log.sealed([(7, b"d" * 16, 1, -1, 0, 0)])
+    log.commit()
+    log.tidy()
+    view = log._log
+    rescan = journal._scan(log._db.execute(
+        "SELECT chunk_id, key_width, records FROM log ORDER BY chunk_id").fetchall())[1]
+    assert view.num_live == rescan.num_live == 3
+    assert list(view.chunk_of[:len(rescan.chunk_of)]) == list(rescan.chunk_of)
+    assert not any(view.chunk_of[len(rescan.chunk_of):])
+    log.close()

@@ -18,11 +18,12 @@ leaves them. Each repeat then recovers in a fresh child:
 Geometry: 1 layer, 1 KV head, head_dim 8, block_size 1, float16 — 32-byte blocks, so the segment
 is 32 MiB and only metadata is measured.
 
-Commit cost. In this process, a full pool of 65,536 blocks churned through a Journal (no
-sockets; the journal on /dev/shm, where the daemon keeps it by default): CPU and wall time per commit at batch 1, 16 and 256 in the steady state (every
-allocation evicts, the log as long as compaction lets it grow), and of the upkeep after it
-(Journal.tidy: compaction steps and WAL checkpoints, which the daemon runs once the replies are
-out); the mean wall time of both is what a commit costs amortised, the max the longest stall.
+Commit cost. In this process, a full pool of 65,536 blocks churned through a Journal (no sockets;
+the journal on /dev/shm, where the daemon keeps it by default): CPU and wall time per commit at
+batch 1, 16 and 256 in the steady state (every allocation evicts, the log as long as compaction
+lets it grow), and of the upkeep after it (Journal.tidy: compaction steps and WAL checkpoints,
+which the daemon runs once the replies are out); the mean wall time of both is what a commit costs
+amortised, the max the longest stall.
 Beside that pool, a second full pool without a journal runs the same alloc → seal → release
 rounds, the two taking turns slice by slice: CPU per round with and without the journal, the
 journal's share of the metadata work itself (no sockets, scheduler or cold caches, so no
@@ -605,16 +606,16 @@ def print_commit_table(commits: dict) -> None:
               f"{row['num_log_records'] / row['num_live']:9.2f}")
     print("\nThe same rounds (alloc → seal → release; commit + upkeep with the journal) on a full "
           "pool with and without a journal, in turns; CPU us per round, means")
-    print(f"{'':5} {'round':>17} {'seal':>17} {'journal only':>23} {'records in Python':>18}")
+    print(f"{'':5} {'round':>17} {'seal':>17} {'journal only':>23} {'records in Python':>26}")
     print(f"{'batch':>5} {'plain':>8} {'journal':>8} {'plain':>8} {'journal':>8} {'commit':>7} "
-          f"{'upkeep':>7} {'cost':>7} {'commit':>9} {'cost':>8}")
+          f"{'upkeep':>7} {'cost':>7} {'commit':>9} {'upkeep':>7} {'cost':>8}")
     for batch, row in commits["batches"].items():
         python = row.get("python")
         print(f"{batch:>5} {row['plain_round_cpu_us']:8.1f} {row['round_cpu_us']:8.1f} "
               f"{row['plain_seal_cpu_us']:8.1f} {row['seal_cpu_us']:8.1f} {row['cpu_us']:7.1f} "
               f"{row['tidy_cpu_us']:7.1f} {row['journal_cost']:7.1%} "
-              + (f"{python['cpu_us']:9.1f} {python['journal_cost']:8.1%}" if python
-                 else f"{'-':>9} {'-':>8}"))
+              + (f"{python['cpu_us']:9.1f} {python['tidy_cpu_us']:7.1f} "
+                 f"{python['journal_cost']:8.1%}" if python else f"{'-':>9} {'-':>7} {'-':>8}"))
 
 
 def print_seal_table(clients: dict) -> None:

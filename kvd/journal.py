@@ -58,20 +58,21 @@ seal_seq keeps the seal order, and a dropped tombstone has no older record of it
 and amortised it is O(records appended): a chunk is cleaned only when the log holds more dead
 records than live ones overall.
 
-Commit and upkeep. `commit()` does only what a reply must wait for: it packs the buffered
-records (`_records`, done in C by kvd/_wire.c where it is built: 62 -> 43 us of CPU per batch-16
-commit, bench/recovery.py's commit table with the two alternating) and inserts them as a chunk
-(usually one INSERT, atomic without BEGIN). Everything else
-is upkeep, in `tidy()`, which the daemon runs once the iteration's replies are flushed, so that
-no reply waits for it: bringing `chunk_of` up to date with the commits since it last did, a
-compaction step if one is due, and WAL checkpoints. SQLite's automatic checkpoint would run
-inside the commit that crosses its threshold, and a checkpoint fsyncs the WAL and then the
-database file, 3-10 ms each on the bench machine's disk: tidy() checkpoints once about
-CHECKPOINT_NBYTES were written (4 MiB, SQLite's own default size), and SQLite's checkpoint only
-backs it up, at twice that. A larger threshold would not lower the amortised cost, since an
-fsync's time grows with the bytes it flushes (commit + upkeep at batch 16: 40.5 us mean wall at
-4 MiB, 39.5 us at 16 MiB), only lengthen the stall (10 ms max, against 34-37 ms at 16 MiB;
-bench/recovery.py's commit table).
+Commit and upkeep. `commit()` does only what a reply must wait for: it packs the buffered records
+(`_records`) and inserts them as a chunk (usually one INSERT, atomic without BEGIN). Everything
+else is upkeep, in `tidy()`, which the daemon runs once the iteration's replies are flushed, so
+that no reply waits for it: bringing `chunk_of` up to date with the commits since it last did
+(`settle`), a compaction step if one is due, and WAL checkpoints. Where kvd/_wire.c is built, a
+commit packs its records in C and applies them to `chunk_of` at once, which costs less than either
+step in Python (bench/recovery.py's in-process table, C and Python in turns: the commit 71 -> 50 us
+of CPU at batch 16, the upkeep 15 -> 11 us; the rest of a commit is mostly SQLite's INSERT).
+SQLite's automatic checkpoint would run inside the commit that crosses its threshold, and a
+checkpoint fsyncs the WAL and then the database file, 3-10 ms each on the bench machine's disk:
+tidy() checkpoints once about CHECKPOINT_NBYTES were written (4 MiB, SQLite's own default size),
+and SQLite's checkpoint only backs it up, at twice that. A larger threshold would not lower the
+amortised cost, since an fsync's time grows with the bytes it flushes (commit + upkeep at batch 16:
+40.5 us mean wall at 4 MiB, 39.5 us at 16 MiB), only lengthen the stall (10 ms max, against 34-37
+ms at 16 MiB; bench/recovery.py's commit table).
 
 Write rule (what makes recovery trustworthy):
   * a seal is acknowledged only after its record is committed -- otherwise a client could be
@@ -182,7 +183,7 @@ def _records(evictions: list[int], seals: dict[int, JournalRow],
     sealed again since (its SEAL record supersedes the old one by itself), then a SEAL record
     per row of `seals` in order, numbered from `first_seal_seq`; and their key width (the
     longest key; DEFAULT_KEY_WIDTH without seals). kvd/_wire.c's journal_records is the same
-    function for the usual rows, ~15x faster at batch 16."""
+    function for the usual rows, 10x faster at batch 16 (1.3 against 13.7 us, timeit)."""
     key_width = max([len(row[1]) for row in seals.values()], default=DEFAULT_KEY_WIDTH)
     if key_width > MAX_KEY_NBYTES:
         raise sqlite3.DataError(f"a key of {key_width} bytes: the journal keeps at most "

@@ -99,15 +99,15 @@ def codec() -> str:
 
 
 def native() -> ModuleType | None:
-    """kvd/_wire.c if this process runs it, else None: for kvd/journal.py's record packing,
-    which follows the same switch."""
+    """kvd/_wire.c if this process runs it, else None: for kvd/journal.py's records (packed
+    and applied in C), which follow the same switch."""
     return _wire
 
 
 def use_c(enabled: bool) -> bool:
-    """Turn kvd/_wire.c on or off in this process, for the codec and the journal's record
-    packing alike (bench/request_path.py compares the two in one run); returns whether it is on, which it never is where it was not built or with
-    KVD_PURE_PYTHON=1."""
+    """Turn kvd/_wire.c on or off in this process, for the codec and the journal's records
+    alike (bench/request_path.py and bench/recovery.py compare the two in one run); returns
+    whether it is on, which it never is where it was not built or with KVD_PURE_PYTHON=1."""
     global _wire
     _wire = _built_wire if enabled and not _IS_PURE_PYTHON else None
     return _wire is not None

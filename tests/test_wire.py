@@ -499,8 +499,9 @@ def settled(commits: list[tuple[int, bytes]], num_slots: int) -> tuple[Any, int]
 def test_records_apply_in_c_as_settle_applies_them(commits: list, max_chunk_records: int) -> None:
     """Commits applied one by one in C leave chunk_of and num_live as one settle() of them all,
     also where a commit's records span several chunks."""
-    packed = [journal._records(evictions, {block: (block, key, 1, -1, 0, 0) for block, key in rows},
-                               1) for evictions, rows in commits]
+    packed = [journal._records(evictions,
+                               {block: (block, key, 1, -1, 0, 0) for block, key in rows}, 1)
+              for evictions, rows in commits]
     chunk_of, num_live, chunk_id, spec = journal._LogState().chunk_of, 0, 1, []
     chunk_of.frombytes(bytes(8 * 41))
     for key_width, records in packed:

@@ -21,9 +21,9 @@ is 32 MiB and only metadata is measured.
 Commit cost. In this process, a full pool of 65,536 blocks churned through a Journal (no sockets;
 the journal on /dev/shm, where the daemon keeps it by default): CPU and wall time per commit at
 batch 1, 16 and 256 in the steady state (every allocation evicts, the log as long as compaction
-lets it grow), and of the upkeep after it (Journal.tidy: compaction steps and WAL checkpoints,
-which the daemon runs once the replies are out); the mean wall time of both is what a commit costs
-amortised, the max the longest stall.
+lets it grow), with SQLite's INSERT in it alone, and of the upkeep after it (Journal.tidy:
+compaction steps and WAL checkpoints, which the daemon runs once the replies are out); the mean
+wall time of both is what a commit costs amortised, the max the longest stall.
 Beside that pool, a second full pool without a journal runs the same alloc → seal → release
 rounds, the two taking turns slice by slice: CPU per round with and without the journal, the
 journal's share of the metadata work itself (no sockets, scheduler or cold caches, so no
@@ -505,9 +505,34 @@ def bench_commit_cost(seconds: float, batch_sizes: tuple[int, ...] = BATCH_SIZES
             if python["round"]:
                 rows[str(batch_size)]["python"] = summarise_commits(python, plain)
             rows[str(batch_size)].update(num_log_records=journal.num_log_records,
-                                         num_live=pool.num_cached)
+                                         num_live=pool.num_cached,
+                                         insert_cpu_us=insert_cpu_us(pool, journal, batch_size,
+                                                                     seconds / NUM_SLICES,
+                                                                     next_key))
             journal.close()
     return {"num_blocks": num_blocks, "batches": rows}
+
+
+def insert_cpu_us(pool, journal, batch_size: int, seconds: float, next_key: int) -> float:
+    """CPU of SQLite's INSERT alone within the commits of a slice of rounds, mean us per
+    commit: the journal's cursor timed through a proxy, in a slice of its own (the proxy's call
+    costs a little, so the turns above run without it)."""
+    cursor, inserts = journal._cursor, []
+
+    class TimedCursor:
+        def execute(self, *args):
+            started = time.thread_time_ns()
+            result = cursor.execute(*args)
+            inserts.append(time.thread_time_ns() - started)
+            return result
+
+    journal._cursor = TimedCursor()
+    try:
+        time_rounds(pool, journal, batch_size, seconds, next_key,
+                    {step: [] for step in ROUND_STEPS})
+    finally:
+        journal._cursor = cursor
+    return statistics.mean(inserts) / 1e3 if inserts else float("nan")
 
 
 def time_rounds(pool, journal, batch_size: int, seconds: float, next_key: int,
@@ -596,14 +621,16 @@ def print_recovery_table(rec: dict) -> None:
 def print_commit_table(commits: dict) -> None:
     print(f"\nOne commit in-process (no sockets), a full pool of {commits['num_blocks']:,} blocks "
           "churned: each allocation evicts, so a commit holds a round's tombstones and seals")
-    print(f"{'':5} {'commit (replies wait)':>26} {'upkeep':>8} {'commit + upkeep':>18}")
-    print(f"{'batch':>5} {'CPU us':>8} {'wall p50':>9} {'p99':>7} {'CPU us':>8} "
+    print(f"{'':5} {'commit (replies wait)':>35} {'upkeep':>8} {'commit + upkeep':>18}")
+    print(f"{'batch':>5} {'CPU us':>8} {'INSERT':>8} {'wall p50':>9} {'p99':>7} {'CPU us':>8} "
           f"{'wall mean':>10} {'max us':>7} {'log/live':>9}")
     for batch, row in commits["batches"].items():
-        print(f"{batch:>5} {row['cpu_us']:8.1f} {row['wall_us_p50']:9.1f} "
-              f"{row['wall_us_p99']:7.1f} {row['tidy_cpu_us']:8.1f} "
+        print(f"{batch:>5} {row['cpu_us']:8.1f} {row['insert_cpu_us']:8.1f} "
+              f"{row['wall_us_p50']:9.1f} {row['wall_us_p99']:7.1f} {row['tidy_cpu_us']:8.1f} "
               f"{row['total_wall_us_mean']:10.1f} {row['total_wall_us_max']:7.0f} "
               f"{row['num_log_records'] / row['num_live']:9.2f}")
+    print("(INSERT: SQLite's INSERT of the commit's chunk alone, CPU us, timed in a slice of its "
+          "own)")
     print("\nThe same rounds (alloc → seal → release; commit + upkeep with the journal) on a full "
           "pool with and without a journal, in turns; CPU us per round, means")
     print(f"{'':5} {'round':>17} {'seal':>17} {'journal only':>23} {'records in Python':>26}")

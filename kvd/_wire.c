@@ -1,4 +1,5 @@
-/* kvd._wire: the protocol's hot pure functions in C, every uncommon case left to kvd/protocol.py.
+/* kvd._wire: the protocol's hot pure functions and the journal's per-commit record work in C,
+   every uncommon case left to kvd/protocol.py and kvd/journal.py.
 
 Theory of operation
 -------------------

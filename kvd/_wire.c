@@ -21,16 +21,17 @@ for its commit):
     journal_records(...) -> (key_width, bytes) | None  _records: a commit's records, packed
     apply_records(chunk_of, records, ...) -> int | None  _LogState.settle of those records
 
-It decodes and encodes a *subset* of msgpack -- nil, bool, every int, str, bin, array, map with
-str keys -- under the same length limits as unpack_body (set once by `set_limits`) and a shallow
-depth cap. Anything else (floats, ext types, bytes map keys, deep nesting, bad UTF-8, trailing or
-missing bytes, an error reply, a malformed shape, a list that fails a check, a journal row that
-struct would not pack as is) returns None (False for the checks), and the caller runs the Python path, which is the specification: it handles
-what this module does not support, and raises the exact error (ProtocolError with its request
-id, BadArgsError naming the argument, or the error a reply carries) for what is invalid. So the
-contract is one-sided and easy to test: whenever this answers, the answer is the Python path's
-(tests/test_wire.py checks that on generated, mutated and boundary inputs, byte for byte for
-encoding and packing). It never raises for bad input, and reads no byte outside its input.
+It decodes and encodes a *subset* of msgpack -- nil, bool, every int, str, bin, array, map with str
+keys -- under the same length limits as unpack_body (set once by `set_limits`) and a shallow depth
+cap. Anything else (floats, ext types, bytes map keys, deep nesting, bad UTF-8, trailing or missing
+bytes, an error reply, a malformed shape, a list that fails a check, a journal row that struct
+would not pack as is) returns None (False for the checks), and the caller runs the Python path,
+which is the specification: it handles what this module does not support, and raises the exact
+error (ProtocolError with its request id, BadArgsError naming the argument, or the error a reply
+carries) for what is invalid. So the contract is one-sided and easy to test: whenever this answers,
+the answer is the Python path's (tests/test_wire.py checks that on generated, mutated and boundary
+inputs, byte for byte for encoding and packing). It never raises for bad input, and reads no byte
+outside its input.
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -591,7 +592,7 @@ static PyObject *wire_is_bytes_list(PyObject *module, PyObject *const *args, Py_
     Py_RETURN_TRUE;
 }
 
-/* ---- the journal's records: Journal._append's packing (kvd/journal.py's layout) ---------------- */
+/* ---- the journal's records: kvd/journal.py's _records and _LogState.settle, per commit ----- */
 
 /* kvd/journal.py's record: 35 header bytes, then the key zero-padded to the chunk's key width. */
 #define RECORD_HEADER_NBYTES 35
@@ -734,6 +735,13 @@ static PyObject *wire_journal_records(PyObject *module, PyObject *const *args, P
     return Py_BuildValue("(nN)", (Py_ssize_t)key_width, blob);
 }
 
+/* A record's block_id (offset 24, little-endian i32). */
+static int32_t record_block_id(const unsigned char *at)
+{
+    return (int32_t)((uint32_t)at[24] | (uint32_t)at[25] << 8 | (uint32_t)at[26] << 16
+                     | (uint32_t)at[27] << 24);
+}
+
 /* apply_records(chunk_of, records, key_width, first_chunk_id, max_chunk_records): _LogState.settle
    of one commit's chunks, done at once -- each record's block gets its chunk (a SEAL record's) or
    0 (a tombstone's) in chunk_of, a writable buffer of int64 -- and the change in live blocks;
@@ -751,7 +759,8 @@ static PyObject *wire_apply_records(PyObject *module, PyObject *const *args, Py_
             || !int_within(args[4], 1, INT32_MAX, &max_chunk_records))
         Py_RETURN_NONE;
     Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+    int flags = PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS;
+    if (PyObject_GetBuffer(args[0], &view, flags) < 0) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
@@ -768,8 +777,7 @@ static PyObject *wire_apply_records(PyObject *module, PyObject *const *args, Py_
     /* Every record checked before any slot changes: all applied, or none. */
     for (Py_ssize_t i = 0; i < num_records; i++) {
         const unsigned char *at = records + i * record_nbytes;
-        int32_t block_id = (int32_t)((uint32_t)at[24] | (uint32_t)at[25] << 8
-                                     | (uint32_t)at[26] << 16 | (uint32_t)at[27] << 24);
+        int32_t block_id = record_block_id(at);
         if (block_id < 0 || block_id >= num_slots
                 || (at[32] != RECORD_SEAL && at[32] != RECORD_EVICT))
             goto done;
@@ -777,8 +785,7 @@ static PyObject *wire_apply_records(PyObject *module, PyObject *const *args, Py_
     long long num_live = 0;
     for (Py_ssize_t i = 0; i < num_records; i++) {
         const unsigned char *at = records + i * record_nbytes;
-        int32_t block_id = (int32_t)((uint32_t)at[24] | (uint32_t)at[25] << 8
-                                     | (uint32_t)at[26] << 16 | (uint32_t)at[27] << 24);
+        int32_t block_id = record_block_id(at);
         int64_t chunk = at[32] == RECORD_SEAL ? first_chunk_id + i / max_chunk_records : 0;
         num_live += (chunk != 0) - (chunk_of[block_id] != 0);
         chunk_of[block_id] = chunk;

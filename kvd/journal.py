@@ -424,9 +424,8 @@ class Journal:
         key_width, records = packed or _records(evictions, seals, log.seal_seq + 1)
         step = MAX_CHUNK_RECORDS * (_HEADER_NBYTES + key_width)
         first_chunk_id = log.next_chunk_id
-        written = self._write_chunks(
-            log, key_width, [records[start:start + step] for start in range(0, len(records), step)]
-            if len(records) > step else [records] if records else [])
+        written = self._write_chunks(  # (a slice of all of a bytes object is no copy)
+            log, key_width, [records[start:start + step] for start in range(0, len(records), step)])
         log.seal_seq += len(seals)
         log.num_appended += len(records) // (_HEADER_NBYTES + key_width)
         # In C the chunks apply at once (~0.5 us per record less than settle's NumPy pass at

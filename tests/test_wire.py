@@ -1,5 +1,5 @@
 """kvd/_wire.c against the Python path it shortcuts (kvd/protocol.py, and kvd/journal.py's record
-packing), which is its specification.
+packing and settling), which is its specification.
 
 The C module's contract is one-sided: whatever it returns equals what the Python path returns for
 the same input, and where it returns None the Python path runs instead. So every test here
@@ -357,7 +357,7 @@ def test_bytes_list_edge_cases(value: Any) -> None:
             protocol.arg_bytes_list, value, 8, 16, allow_nil)
 
 
-# ---- the journal's records (kvd/journal.py's _records) ---------------------------------------
+# ---- the journal's records (kvd/journal.py's _records and _LogState.settle) ------------------
 def python_records(evictions: Any, seals: Any, first_seal_seq: Any) -> tuple[int, bytes] | None:
     try:
         return journal._records(evictions, seals, first_seal_seq)

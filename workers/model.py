@@ -23,7 +23,10 @@ stores. Two stores implement that protocol:
   every full block in one fancy-index assignment, a partial last block; a gather is one
   `np.take` of whole runs per part into a buffer the PagedKV keeps, already in token order, and
   the model's `read` keeps such a copy per layer and takes only the blocks written (or
-  re-tabled) since, so a decode step copies one block per layer. With the
+  re-tabled) since, so a decode step copies one block per layer. Those buffers start on a page
+  boundary, as the pool does: glibc's memmove copies a run into a destination 16 bytes past a
+  64-byte line (where `np.empty` puts large arrays) at about half speed, and a gather took 1.8x
+  as long into such a buffer (bench/data_plane.py, point 2). With the
   geometry of bench/data_plane.py, the per-token scatter this replaced (T runs of H*D values)
   wrote 1.4-1.6x slower, and gathering K and V together into a fresh array, then untangling them
   with a transposing copy, read float32 about 3x slower (mostly faulting in the fresh
@@ -39,6 +42,7 @@ float16 and bfloat16 stores round on write (bfloat16 is stored as uint16 words, 
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -48,6 +52,16 @@ import numpy as np
 from kvd.errors import BadArgsError
 
 K, V = 0, 1
+
+
+def page_aligned_empty(shape: tuple[int, ...], dtype: np.dtype | str) -> np.ndarray:
+    """An uninitialised array starting on a page boundary (see the module docstring for why:
+    `np.empty` starts large arrays 16 bytes past one)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + mmap.PAGESIZE, dtype=np.uint8)
+    start = -raw.ctypes.data % mmap.PAGESIZE
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 @dataclass(frozen=True)
@@ -149,7 +163,7 @@ class PagedKV:
         self.num_frozen_tokens = num_frozen_tokens
         # The pool as rows of one block's K or V of one layer: row (block * L + layer) * 2 + part.
         self._runs = pool.reshape(-1, math.prod(pool.shape[3:]))
-        self._gathered = np.empty((2, 0, self._runs.shape[1]), dtype=pool.dtype)
+        self._gathered = page_aligned_empty((2, 0, self._runs.shape[1]), pool.dtype)
         # `read`'s copy of each layer, the block table it was copied from, and how many of its
         # leading blocks no write has touched since.
         num_layers = pool.shape[1]
@@ -210,8 +224,8 @@ class PagedKV:
         a token a step), with those first blocks kept."""
         num_blocks = len(table)
         if buffer.shape[1] < num_blocks:
-            grown = np.empty((2, max(num_blocks, 2 * buffer.shape[1]), self._runs.shape[1]),
-                             dtype=self.pool.dtype)
+            grown = page_aligned_empty(
+                (2, max(num_blocks, 2 * buffer.shape[1]), self._runs.shape[1]), self.pool.dtype)
             grown[:, :start] = buffer[:, :start]
             buffer = grown
         rows = self._checked_rows(layer, np.asarray(table[start:], dtype=np.intp))

@@ -266,3 +266,18 @@ def test_gather_checks_layer_and_block_ids_and_the_pool_must_be_contiguous() -> 
         PagedKV(pool, [0]).gather(config.num_layers, 1)
     with pytest.raises(BadArgsError, match="C-contiguous"):
         PagedKV(pool[::2], [0])
+
+
+@pytest.mark.parametrize("table", [[0, 4, 1], [0, -1, 1], [-4, 1, 2]])
+def test_write_checks_block_ids_before_writing_anything(table: list[int]) -> None:
+    """A bad id anywhere in the written range is a typed error and no block is touched (a
+    negative one would otherwise wrap around to another sequence's block)."""
+    config = ModelConfig()
+    pool = _pool(config, 4)
+    kv = np.ones((40, config.num_kv_heads, config.head_dim), dtype=np.float32)
+    for start_pos in (0, 8):  # whole blocks first, or a partial first block
+        with pytest.raises(BadArgsError, match="outside the pool"):
+            PagedKV(pool, table).write(1, start_pos, kv[:40 - start_pos], kv[:40 - start_pos])
+        assert np.isnan(pool).all()
+    with pytest.raises(BadArgsError, match="outside the pool"):
+        PagedKV(pool, [0]).write(config.num_layers, 0, kv[:1], kv[:1])

@@ -95,8 +95,8 @@ from bench.common import (
     save_plot,
     write_json,
 )
-from kvd.blockcopy import STREAMING_MIN_NBYTES
-from workers.model import PagedKV, page_aligned_empty
+from kvd.blockcopy import STREAMING_MIN_NBYTES, page_aligned_empty
+from workers.model import PagedKV
 
 GEOMETRY = {"layers": 4, "kv_heads": 8, "head_dim": 128, "block_size": 16, "dtype": "float16"}
 GOAL_PRIVATE_RATIO = 0.9

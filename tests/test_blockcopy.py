@@ -8,6 +8,7 @@ check both halves, and that C does answer for the writes PagedKV makes.
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
@@ -169,3 +170,13 @@ def test_last_level_cache_falls_back_when_sysfs_says_nothing(tmp_path: Path) -> 
     cpu_dir = _cache_dir(tmp_path, [("Unified", "lots"), ("Data", "")])
     assert blockcopy.last_level_cache_nbytes(cpu_dir) == blockcopy.FALLBACK_LLC_NBYTES
     assert blockcopy.STREAMING_MIN_NBYTES == blockcopy.last_level_cache_nbytes() // 4
+
+
+@pytest.mark.parametrize("shape,dtype", [((0,), np.float32), ((3, 5), np.uint16),
+                                         ((2, 7, 4096), np.float16), ((1, 1), np.float64)])
+def test_page_aligned_empty(shape: tuple[int, ...], dtype: type) -> None:
+    for _ in range(4):  # np.empty's own placement varies with the size and the heap
+        array = blockcopy.page_aligned_empty(shape, dtype)
+        assert array.shape == shape and array.dtype == dtype and array.flags.c_contiguous
+        assert array.size == 0 or array.ctypes.data % mmap.PAGESIZE == 0  # (no bytes to place)
+        array[...] = 1  # writable, and all of it is there

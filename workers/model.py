@@ -26,9 +26,8 @@ stores. Two stores implement that protocol:
   `np.take` of whole runs per part into a buffer the PagedKV keeps, already in token order, and
   the model's `read` keeps such a copy per layer and takes only the blocks written (or
   re-tabled) since, so a decode step copies one block per layer. Those buffers start on a page
-  boundary, as the pool does: glibc's memmove copies a run into a destination 16 bytes past a
-  64-byte line (where `np.empty` puts large arrays) at about half speed, and a gather took 1.8x
-  as long into such a buffer (bench/data_plane.py, point 2). With the
+  boundary, as the pool does (kvd/blockcopy.py's `page_aligned_empty`: a gather took 1.8x as
+  long into an `np.empty` buffer, bench/data_plane.py, point 2). With the
   geometry of bench/data_plane.py, the per-token scatter this replaced (T runs of H*D values)
   wrote 1.4-1.6x slower, and gathering K and V together into a fresh array, then untangling them
   with a transposing copy, read float32 about 3x slower (mostly faulting in the fresh
@@ -44,27 +43,16 @@ float16 and bfloat16 stores round on write (bfloat16 is stored as uint16 words, 
 from __future__ import annotations
 
 import math
-import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from kvd.blockcopy import STREAMING_MIN_NBYTES, scatter_rows
+from kvd.blockcopy import STREAMING_MIN_NBYTES, page_aligned_empty, scatter_rows
 from kvd.errors import BadArgsError
 
 K, V = 0, 1
-
-
-def page_aligned_empty(shape: tuple[int, ...], dtype: np.dtype | str) -> np.ndarray:
-    """An uninitialised array starting on a page boundary (see the module docstring for why:
-    `np.empty` starts large arrays 16 bytes past one)."""
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + mmap.PAGESIZE, dtype=np.uint8)
-    start = -raw.ctypes.data % mmap.PAGESIZE
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 @dataclass(frozen=True)

@@ -8,15 +8,7 @@ import numpy as np
 import pytest
 
 from kvd.errors import BadArgsError
-from workers.model import (
-    ContiguousKV,
-    DecoderLM,
-    ModelConfig,
-    PagedKV,
-    from_storage,
-    page_aligned_empty,
-    to_storage,
-)
+from workers.model import ContiguousKV, DecoderLM, ModelConfig, PagedKV, from_storage, to_storage
 
 BLOCK_SIZE = 16
 
@@ -192,16 +184,6 @@ def test_gather_reuses_its_buffer_and_grows_it() -> None:
     again, _ = paged.gather(0, 100)
     assert np.shares_memory(again, keys)  # one buffer, overwritten by the next gather
     np.testing.assert_array_equal(keys, pool[table, 0, 0].reshape(-1, *by_token.shape[2:])[:100])
-
-
-@pytest.mark.parametrize("shape,dtype", [((0,), np.float32), ((3, 5), np.uint16),
-                                         ((2, 7, 4096), np.float16), ((1, 1), np.float64)])
-def test_page_aligned_empty(shape: tuple[int, ...], dtype: type) -> None:
-    for _ in range(4):  # np.empty's own placement varies with the size and the heap
-        array = page_aligned_empty(shape, dtype)
-        assert array.shape == shape and array.dtype == dtype and array.flags.c_contiguous
-        assert array.size == 0 or array.ctypes.data % mmap.PAGESIZE == 0  # (no bytes to place)
-        array[...] = 1  # writable, and all of it is there
 
 
 def test_gather_and_read_buffers_start_on_a_page() -> None:

@@ -183,15 +183,19 @@ class PagedKV:
         block_size = self.block_size
         table = self.block_ids
         first_block = start // block_size
-        rows = self._checked_rows(layer, np.asarray(table[first_block:-(-end // block_size)],
-                                                    dtype=np.int64))
-        self._num_clean[layer] = min(self._num_clean[layer], first_block)
         head_end = min(end, -(-start // block_size) * block_size)  # partial first block
         tail_start = max(head_end, end // block_size * block_size)  # partial last block
-        full_rows = rows[head_end // block_size - first_block:tail_start // block_size - first_block]
-        # The whole write, K and V, decides the stores (kvd/blockcopy.py).
-        streaming = (2 * (end - start) * self._runs.strides[0] // block_size
-                     >= self.streaming_min_nbytes)
+        # Every block id is checked before anything is written: the partial ends alone (a
+        # decode step's one-token write is all edge), then the full blocks.
+        self._check_ids(layer, table[first_block:-(-head_end // block_size)]
+                        + table[tail_start // block_size:-(-end // block_size)])
+        if tail_start > head_end:
+            full_rows = self._checked_rows(layer, table[head_end // block_size:
+                                                        tail_start // block_size])
+            # The whole write, K and V, decides the stores (kvd/blockcopy.py).
+            streaming = (2 * (end - start) * self._runs.strides[0] // block_size
+                         >= self.streaming_min_nbytes)
+        self._num_clean[layer] = min(self._num_clean[layer], first_block)
         for part, data in ((K, keys[skip:]), (V, values[skip:])):
             data = to_storage(data, self.pool.dtype)
             if head_end > start:
@@ -229,7 +233,7 @@ class PagedKV:
                 (2, max(num_blocks, 2 * buffer.shape[1]), self._runs.shape[1]), self.pool.dtype)
             grown[:, :start] = buffer[:, :start]
             buffer = grown
-        rows = self._checked_rows(layer, np.asarray(table[start:], dtype=np.intp))
+        rows = self._checked_rows(layer, table[start:])
         for part in (K, V):
             # mode="clip" copies straight into `out` ("raise" stages through a temporary);
             # _checked_rows has done the bounds check.
@@ -237,14 +241,19 @@ class PagedKV:
                     mode="clip")
         return buffer
 
-    def _checked_rows(self, layer: int, block_ids: np.ndarray) -> np.ndarray:
+    def _checked_rows(self, layer: int, block_ids: list[int]) -> np.ndarray:
         """Rows of `self._runs` holding the K of `block_ids` at `layer` (V is the next row)."""
+        self._check_ids(layer, block_ids)
+        return (np.asarray(block_ids, dtype=np.int64) * self.pool.shape[1] + layer) * 2
+
+    def _check_ids(self, layer: int, block_ids: list[int]) -> None:
+        """Raise BadArgsError unless `layer` and every id are inside the pool (Python's min and
+        max over the list: cheaper than NumPy's for a few ids, no dearer for many)."""
         num_blocks, num_layers = self.pool.shape[:2]
         if not 0 <= layer < num_layers or (
-                block_ids.size and not 0 <= block_ids.min() <= block_ids.max() < num_blocks):
+                block_ids and not (min(block_ids) >= 0 and max(block_ids) < num_blocks)):
             raise BadArgsError(f"layer {layer} or a block id in the table is outside the pool "
                                f"({num_layers} layers, {num_blocks} blocks)")
-        return (block_ids * num_layers + layer) * 2
 
     def read(self, layer: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """K and V of positions [0, num_tokens) as float32, (num_tokens, H, D) each, for the model.

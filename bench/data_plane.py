@@ -11,6 +11,9 @@ alike:
 * **kvd**: `PagedKV` over `client.pool`, the NumPy view of the daemon's POSIX shared-memory
   segment, with block ids a real `alloc` handed out (shuffled: a long-lived pool hands out
   scattered blocks);
+* **kvd, ordinary stores**: the same pool, with the write's streaming stores turned off
+  (`PagedKV(..., streaming_min_nbytes=math.inf)`): what they buy (kvd/blockcopy.py), side by
+  side; its gather is kvd's, timed again;
 * **private**: the same over a private NumPy array of the same shape, starting on a page boundary
   as kvd's pool does — the ceiling (goal: kvd >= 0.9x its throughput);
 * **private, 4 KiB pages**: the same private array on 4 KiB pages (MADV_NOHUGEPAGE), the page size

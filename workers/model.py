@@ -21,8 +21,8 @@ stores. Two stores implement that protocol:
   move in contiguous runs: a block's B tokens of one layer's K (or V) are one `(B, H, D)` run in
   the pool. A write of T tokens is at most three assignments per part — a partial first block,
   every full block in one scatter of runs (kvd/blockcopy.py: with streaming stores when the
-  write is large, 1.3x faster at 16 MiB), a partial last block — after checking every block id
-  it touches; a gather is one
+  write is large, 1.45-1.5x faster at 16 MiB), a partial last block — after checking every
+  block id it touches; a gather is one
   `np.take` of whole runs per part into a buffer the PagedKV keeps, already in token order, and
   the model's `read` keeps such a copy per layer and takes only the blocks written (or
   re-tabled) since, so a decode step copies one block per layer. Those buffers start on a page
@@ -203,8 +203,8 @@ class PagedKV:
                 self.pool[table[first_block], layer, part,
                           offset:offset + head_end - start] = data[:head_end - start]
             if tail_start > head_end:
-                scatter_rows(self._runs, full_rows + part, data[head_end - start:tail_start - start]
-                             .reshape(len(full_rows), -1), streaming)
+                runs = data[head_end - start:tail_start - start].reshape(len(full_rows), -1)
+                scatter_rows(self._runs, full_rows + part, runs, streaming)
             if end > tail_start:
                 self.pool[table[tail_start // block_size], layer, part,
                           :end - tail_start] = data[tail_start - start:]
@@ -243,17 +243,24 @@ class PagedKV:
 
     def _checked_rows(self, layer: int, block_ids: list[int]) -> np.ndarray:
         """Rows of `self._runs` holding the K of `block_ids` at `layer` (V is the next row)."""
-        self._check_ids(layer, block_ids)
-        return (np.asarray(block_ids, dtype=np.int64) * self.pool.shape[1] + layer) * 2
-
-    def _check_ids(self, layer: int, block_ids: list[int]) -> None:
-        """Raise BadArgsError unless `layer` and every id are inside the pool (Python's min and
-        max over the list: cheaper than NumPy's for a few ids, no dearer for many)."""
+        ids = np.asarray(block_ids, dtype=np.int64)
         num_blocks, num_layers = self.pool.shape[:2]
         if not 0 <= layer < num_layers or (
-                block_ids and not (min(block_ids) >= 0 and max(block_ids) < num_blocks)):
-            raise BadArgsError(f"layer {layer} or a block id in the table is outside the pool "
-                               f"({num_layers} layers, {num_blocks} blocks)")
+                ids.size and not 0 <= ids.min() <= ids.max() < num_blocks):
+            raise self._outside(layer)
+        return (ids * num_layers + layer) * 2
+
+    def _check_ids(self, layer: int, block_ids: list[int]) -> None:
+        """`_checked_rows`'s check for the one or two ids of a write's partial blocks, in Python
+        (NumPy's min and max cost ~1 us each, whatever the size; Python's grow with it)."""
+        num_blocks, num_layers = self.pool.shape[:2]
+        if not 0 <= layer < num_layers or not all(0 <= i < num_blocks for i in block_ids):
+            raise self._outside(layer)
+
+    def _outside(self, layer: int) -> BadArgsError:
+        num_blocks, num_layers = self.pool.shape[:2]
+        return BadArgsError(f"layer {layer} or a block id in the table is outside the pool "
+                            f"({num_layers} layers, {num_blocks} blocks)")
 
     def read(self, layer: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """K and V of positions [0, num_tokens) as float32, (num_tokens, H, D) each, for the model.

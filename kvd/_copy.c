@@ -2,17 +2,18 @@
 
 Theory of operation
 -------------------
-A worker writes a layer's K (or V) of many tokens as whole block runs: row i of a contiguous
-source goes to row rows[i] of the pool (kvd/blockcopy.py's `scatter_rows`, which is NumPy's
-`dst[rows] = src` when this module is not built or declines). NumPy copies each row with
-memcpy, and glibc picks its stores per call: a row is a few tens of KiB, far below the size at
-which glibc itself switches to non-temporal stores (about a quarter of the last-level cache),
-so a 16 MiB write ran through the caches as 512 ordinary copies, each line read for ownership
-before it was written and evicting the source it was reading. The caller knows the whole write's
-size; when it says so (`nontemporal`), this copies every row with SSE2 streaming stores, which
-write whole lines straight to memory: a 16 MiB scatter took 1.0-1.3 ms instead of 1.45-1.9
-(bench/data_plane.py's write). Below that size the lines the write leaves in the cache are the
-ones attention reads next, and ordinary stores are faster (kvd/blockcopy.py measures where).
+A worker writes a layer's K (or V) of many tokens as whole block runs: row i of a contiguous source
+goes to row rows[i] of the pool (kvd/blockcopy.py's `scatter_rows`, which is NumPy's
+`dst[rows] = src` when this module is not built or declines). NumPy copies each row with memcpy,
+and glibc picks its stores per call: a row is a few tens of KiB, far below the size at which glibc
+itself switches to non-temporal stores (since 2.38, about a quarter of the last-level cache), so a
+16 MiB write ran through the caches as 512 ordinary copies, each line read for ownership before it
+was written and evicting the source it was reading. The caller knows the whole write's size; when
+it says so (`nontemporal`), this copies every row with SSE2 streaming stores, which write whole
+lines straight to memory: a 16 MiB write took 1.20-1.34 ms instead of 1.74-2.01 in
+bench/data_plane.py (1.45-1.50x, side by side). Below that size the lines the write leaves in the
+cache are the ones attention reads next, and ordinary stores are faster (kvd/blockcopy.py measures
+where).
 
 The contract is one-sided, as kvd/_wire.c's: `scatter_rows` checks everything first -- buffer
 shapes and contiguity, every row index in [0, len(dst) / row_nbytes), that no buffer overlaps dst

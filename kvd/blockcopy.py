@@ -1,4 +1,4 @@
-"""Bulk writes of whole block runs into the pool: `dst[rows] = src`, with streaming stores when large.
+"""Bulk writes of block runs into the pool: `dst[rows] = src`, with streaming stores when large.
 
 Theory of operation
 -------------------
@@ -8,15 +8,15 @@ copies them one memcpy per run, and each is far below the size at which glibc wo
 non-temporal stores, so a large write goes through the caches: every line is read for ownership
 before it is written, and the write evicts the source it is reading. `scatter_rows` does the same
 assignment in kvd/_copy.c, and when the caller's whole write is at least `STREAMING_MIN_NBYTES`
-(a quarter of the last-level cache, the size at which glibc switches a single copy to
+(a quarter of the last-level cache, about where glibc 2.38 and later switch a single copy to
 non-temporal stores) it writes with streaming stores that go straight to memory.
 
 Measured on a 2-core EPYC VM (1 MiB L2 per core, 32 MiB L3; bench/data_plane.py and a sweep of
-scatter sizes, ordinary and streaming stores interleaved): a 16 MiB scatter took 1.0-1.3 ms
-streaming against 1.45-1.9 ms ordinary (a plain 16 MiB memcpy: 1.75-1.9); writing and then
-reading back what was written, as a forward pass does, streaming won from about 5 MiB up (1.2x
-at 8-64 MiB) and lost below (0.56-0.8x at 1-3 MiB: the lines an ordinary write leaves in the
-cache are the ones read next). Hence the threshold, with room to spare on that machine.
+scatter sizes, ordinary and streaming stores interleaved): a 16 MiB write took 1.20-1.34 ms
+streaming against 1.74-2.01 ms ordinary in the bench (a plain 16 MiB memcpy: 1.75-1.9); writing and
+then reading back what was written, as a forward pass does, streaming won from about 5 MiB up (1.2x
+at 8-64 MiB) and lost below (0.56-0.8x at 1-3 MiB: the lines an ordinary write leaves in the cache
+are the ones read next). Hence the threshold, with room to spare on that machine.
 
 The other half of copying fast is where the destination sits: glibc's memmove copies a run into
 a destination 16 bytes past a 64-byte line at about half speed (a 16 MiB gather 2.2 ms against

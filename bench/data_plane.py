@@ -11,6 +11,11 @@ alike:
 * **kvd**: `PagedKV` over `client.pool`, the NumPy view of the daemon's POSIX shared-memory
   segment, with block ids a real `alloc` handed out (shuffled: a long-lived pool hands out
   scattered blocks);
+The same stores also time a decode step of that sequence: the newest token's K/V written into
+its block, then the whole layer read back as float32 for attention (`PagedKV.read`, which keeps a
+float32 copy per layer and converts only the blocks written since: converting the whole context
+on every read took this float16 step 23.5 ms, against 0.2 ms now, side by side in two runs).
+
 * **kvd, ordinary stores**: the same pool, with the write's streaming stores turned off
   (`PagedKV(..., streaming_min_nbytes=math.inf)`): what they buy (kvd/blockcopy.py), side by
   side; its gather is kvd's, timed again;
@@ -327,11 +332,16 @@ def measure(pool: np.ndarray, small_pages: mmap.mmap, table: list[int],
         redis_kv = RedisKV(server.client, len(table), pool.shape[3:], pool.dtype)
         writes["redis"] = partial(redis_kv.write, keys, values)
         gathers["redis"] = redis_kv.gather
-    for write in writes.values():  # so that a gather never runs first (Redis would have no keys)
-        write()
+    # A PagedKV of its own per store for the decode step: the full writes above would otherwise
+    # mark its whole copy stale every round (the bytes they write are the same).
+    decodes = {name: partial(decode_step, PagedKV(store, table), num_tokens, keys[-1:],
+                             values[-1:]) for name, store in stores.items()}
+    for op in (*writes.values(), *decodes.values()):  # a gather never first (Redis: no keys)
+        op()
     timings = time_rounds({**{(name, "write"): op for name, op in writes.items()},
-                           **{(name, "gather"): op for name, op in gathers.items()}}, num_rounds,
-                          rng)
+                           **{(name, "gather"): op for name, op in gathers.items()},
+                           **{(name, "decode"): op for name, op in decodes.items()}},
+                          num_rounds, rng)
     for (name, what), timing in timings.items():
         results.setdefault(name, {})[what] = timing
     for name, gather in gathers.items():
@@ -339,6 +349,14 @@ def measure(pool: np.ndarray, small_pages: mmap.mmap, table: list[int],
         if not (np.array_equal(got_keys, keys) and np.array_equal(got_values, values)):
             raise RuntimeError(f"{name} gathered different K/V than was written")
     return results
+
+
+def decode_step(kv: PagedKV, num_tokens: int, key: np.ndarray, value: np.ndarray) -> None:
+    """A decode step's K/V traffic for one layer: the newest token's K/V written into its block,
+    then every position read back as float32 for attention (`PagedKV.read`, which keeps a float32
+    copy of the layer and converts only the blocks written since)."""
+    kv.write(LAYER, num_tokens - 1, key, value)
+    kv.read(LAYER, num_tokens)
 
 
 def ratios(results: dict[str, Any]) -> dict[str, float]:
@@ -360,9 +378,10 @@ def markdown(results: dict[str, Any]) -> str:
             timing = results[store][what]
             row += [f"{timing['median_s'] * 1e3:.2f}",
                     f"{nbytes / timing['median_s'] / 1e9:.1f}", f"{timing['faults']:.0f}"]
-        rows.append(row)
+        decode = results[store].get("decode")
+        rows.append(row + ["—" if decode is None else f"{decode['median_s'] * 1e6:.0f}"])
     table = markdown_table(["store", "write ms", "write GB/s", "write faults", "gather ms",
-                            "gather GB/s", "gather faults"], rows)
+                            "gather GB/s", "gather faults", "decode step µs"], rows)
     r = ratios(results)
     huge = results["huge_page_nbytes"]
     mib = lambda name: ("?" if huge[name] is None else f"{huge[name] / 2**20:.0f}")
@@ -393,7 +412,9 @@ def markdown(results: dict[str, Any]) -> str:
             f"({nbytes / 2**20:.0f} MiB, bench/data_plane.py)\n\n"
             f"`PagedKV.write` and `PagedKV.gather` (workers/model.py) over each store; medians "
             f"of {results['num_rounds']} rounds taken in turn; faults are minor page faults per "
-            "call.\n\n" + table + "\n" + " ".join(notes) + "\n")
+            "call. A decode step writes the newest token's K/V and reads the layer back as "
+            "float32 for attention (`PagedKV.read`: only the blocks written since are copied "
+            "and converted).\n\n" + table + "\n" + " ".join(notes) + "\n")
 
 
 def plot(results: dict[str, Any], out: Path) -> Path:

@@ -200,24 +200,27 @@ def test_gather_and_read_buffers_start_on_a_page() -> None:
             assert keys.ctypes.data % mmap.PAGESIZE == 0 and values.ctypes.data % 64 == 0
 
 
-def test_read_copies_only_what_changed_and_follows_writes_and_the_table() -> None:
-    """`read` keeps a copy per layer: it must still see every write, a table entry that changed
-    under it (as a copy-on-write fork's would), a table that grew, and other layers' writes must
-    not disturb it."""
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.uint16])
+def test_read_copies_only_what_changed_and_follows_writes_and_the_table(dtype: type) -> None:
+    """`read` keeps a float32 copy per layer: it must still see every write, a table entry that
+    changed under it (as a copy-on-write fork's would), a table that grew, and other layers'
+    writes must not disturb it; from a half-precision pool too (uint16: bfloat16 words)."""
     config = ModelConfig()
     rng = np.random.default_rng(12)
-    pool = rng.standard_normal((12, config.num_layers, 2, BLOCK_SIZE, config.num_kv_heads,
-                                config.head_dim)).astype(np.float32)
+    pool = to_storage(rng.standard_normal((12, config.num_layers, 2, BLOCK_SIZE,
+                                           config.num_kv_heads, config.head_dim)).astype(
+                                               np.float32), np.dtype(dtype))
     table = _scattered_table(rng, 12, 3)
     spare = next(i for i in range(12) if i not in table)
     paged = PagedKV(pool, table)
 
     def expected(layer: int, num_tokens: int) -> np.ndarray:
-        return pool[table, layer].swapaxes(0, 1).reshape(
-            2, -1, config.num_kv_heads, config.head_dim)[:, :num_tokens]
+        return from_storage(pool[table, layer].swapaxes(0, 1).reshape(
+            2, -1, config.num_kv_heads, config.head_dim)[:, :num_tokens])
 
     def check(layer: int, num_tokens: int) -> None:
         keys, values = paged.read(layer, num_tokens)
+        assert keys.dtype == values.dtype == np.float32
         np.testing.assert_array_equal(np.stack([keys, values]), expected(layer, num_tokens))
 
     check(1, 40)

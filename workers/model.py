@@ -180,6 +180,7 @@ class PagedKV:
         start, end = start_pos + skip, start_pos + len(keys)
         if start >= end:
             return
+        self._check_length(end)
         block_size = self.block_size
         table = self.block_ids
         first_block = start // block_size
@@ -218,7 +219,7 @@ class PagedKV:
         measure); `read` copies only what changed.
         """
         num_blocks = -(-num_tokens // self.block_size)
-        self._gathered = self._copy_blocks(self._gathered, layer, self.block_ids[:num_blocks], 0)
+        self._gathered = self._copy_blocks(self._gathered, layer, self._table(num_tokens), 0)
         tokens = self._gathered[:, :num_blocks].reshape(2, -1, *self.pool.shape[4:])
         return tokens[K, :num_tokens], tokens[V, :num_tokens]
 
@@ -244,6 +245,20 @@ class PagedKV:
             else:  # a half-precision pool: only these blocks are converted
                 buffer[part, start:num_blocks] = from_storage(self._runs[rows + part])
         return buffer
+
+    def _table(self, num_tokens: int) -> list[int]:
+        """The block table's first blocks, enough for positions [0, num_tokens)."""
+        self._check_length(num_tokens)
+        return self.block_ids[:-(-num_tokens // self.block_size)]
+
+    def _check_length(self, num_tokens: int) -> None:
+        """BadArgsError unless the block table covers positions [0, num_tokens) (a slice of it
+        would quietly give fewer tokens than asked for)."""
+        num_blocks = -(-num_tokens // self.block_size)
+        if num_blocks > len(self.block_ids):
+            raise BadArgsError(f"positions [0, {num_tokens}) need {num_blocks} blocks of "
+                               f"{self.block_size} tokens but the block table holds "
+                               f"{len(self.block_ids)}")
 
     def _checked_rows(self, layer: int, block_ids: list[int]) -> np.ndarray:
         """Rows of `self._runs` holding the K of `block_ids` at `layer` (V is the next row)."""
@@ -282,7 +297,7 @@ class PagedKV:
         bench/data_plane.py). The views hold until this layer's next `read`.
         """
         num_blocks = -(-num_tokens // self.block_size)
-        table = self.block_ids[:num_blocks]
+        table = self._table(num_tokens)
         clean = min(self._num_clean[layer], num_blocks)
         if self._copied_ids[layer][:clean] != table[:clean]:  # re-tabled (never in decode)
             clean = 0

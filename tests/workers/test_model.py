@@ -253,6 +253,21 @@ def test_gather_checks_layer_and_block_ids_and_the_pool_must_be_contiguous() -> 
         PagedKV(pool[::2], [0])
 
 
+def test_positions_past_the_block_table_are_a_typed_error() -> None:
+    """Asking for more tokens than the table covers must not quietly return fewer."""
+    config = ModelConfig()
+    pool = _pool(config, 4)
+    kv = np.ones((5, config.num_kv_heads, config.head_dim), dtype=np.float32)
+    paged = PagedKV(pool, [1, 2])
+    for call in (lambda: paged.gather(0, 33), lambda: paged.read(0, 33),
+                 lambda: paged.write(0, 30, kv, kv)):
+        with pytest.raises(BadArgsError, match="need 3 blocks of 16 tokens but the block table "
+                                               "holds 2"):
+            call()
+    assert np.isnan(pool).all()  # the write wrote nothing
+    assert paged.gather(0, 32)[0].shape == (32, config.num_kv_heads, config.head_dim)
+
+
 @pytest.mark.parametrize("table", [[0, 4, 1], [0, -1, 1], [-4, 1, 2]])
 def test_write_checks_block_ids_before_writing_anything(table: list[int]) -> None:
     """A bad id anywhere in the written range is a typed error and no block is touched (a

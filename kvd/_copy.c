@@ -19,7 +19,8 @@ The contract is one-sided, as kvd/_wire.c's: `scatter_rows` checks everything fi
 shapes and contiguity, every row index in [0, len(dst) / row_nbytes), that no buffer overlaps dst
 -- and returns False without writing a byte if anything is off; the caller then runs the NumPy
 assignment, which is the specification (negative indices, overlapping views, its IndexError).
-It holds the GIL throughout, so no other thread can change `rows` between the check and the copy.
+Large copies release the GIL; the row indices are checked and turned into offsets in memory of
+this call's own first, so another thread writing to `rows` meanwhile cannot move the copy.
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -29,6 +30,10 @@ It holds the GIL throughout, so no other thread can change `rows` between the ch
 #include <emmintrin.h>
 #define STREAM_BYTES 16
 #endif
+
+/* Copies at least this large release the GIL, as NumPy's own copy loops do for large arrays;
+   below it the hand-over would cost more than the copy. */
+#define RELEASE_GIL_NBYTES (64 * 1024)
 
 static int overlaps(const Py_buffer *a, const Py_buffer *b)
 {
@@ -66,6 +71,22 @@ static void stream_copy(char *dst, const char *src, Py_ssize_t n)
 }
 #endif
 
+/* The copy itself, touching no Python object: large ones run with the GIL released. */
+static void copy_rows(char *out, const char *in, const Py_ssize_t *offset_of, Py_ssize_t num_rows,
+                      Py_ssize_t row_nbytes, int nontemporal)
+{
+#if defined(__SSE2__)
+    if (nontemporal && (uintptr_t)out % STREAM_BYTES == 0 && row_nbytes % STREAM_BYTES == 0) {
+        for (Py_ssize_t i = 0; i < num_rows; i++)
+            stream_copy(out + offset_of[i], in + i * row_nbytes, row_nbytes);
+        _mm_sfence();  /* streaming stores are weakly ordered: done before anyone reads */
+        return;
+    }
+#endif
+    for (Py_ssize_t i = 0; i < num_rows; i++)
+        memcpy(out + offset_of[i], in + i * row_nbytes, row_nbytes);
+}
+
 static PyObject *copy_scatter_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 5) {
@@ -81,50 +102,52 @@ static PyObject *copy_scatter_rows(PyObject *module, PyObject *const *args, Py_s
         return NULL;
 
     Py_buffer dst = {0}, rows = {0}, src = {0};
-    int done = 0;
-    if (PyObject_GetBuffer(args[0], &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
-        goto refuse;
-    if (PyObject_GetBuffer(args[1], &rows, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        goto refuse;
-    if (PyObject_GetBuffer(args[2], &src, PyBUF_C_CONTIGUOUS) < 0)
-        goto refuse;
+    PyObject *result = Py_False;
+    Py_ssize_t *offset_of = NULL;
+    if (PyObject_GetBuffer(args[0], &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0 ||
+        PyObject_GetBuffer(args[1], &rows, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 ||
+        PyObject_GetBuffer(args[2], &src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();  /* not a contiguous (writable) buffer: the NumPy path decides */
+        goto release;
+    }
     if (rows.itemsize != sizeof(int64_t) || !is_int64_format(rows.format) || row_nbytes <= 0 ||
         dst.len % row_nbytes != 0 || overlaps(&dst, &src) || overlaps(&dst, &rows))
         goto release;
     Py_ssize_t num_rows = rows.len / (Py_ssize_t)sizeof(int64_t);
     if (num_rows > PY_SSIZE_T_MAX / row_nbytes || src.len != num_rows * row_nbytes)
         goto release;
+    /* Checked and turned into byte offsets once, into memory of our own: with the GIL released
+       another thread may write to `rows`, and the copy must go where the check said. */
+    offset_of = PyMem_Malloc((num_rows ? num_rows : 1) * sizeof(Py_ssize_t));
+    if (offset_of == NULL) {
+        result = PyErr_NoMemory();
+        goto release;
+    }
     const int64_t *row_of = rows.buf;
     int64_t dst_rows = dst.len / row_nbytes;
-    for (Py_ssize_t i = 0; i < num_rows; i++)
+    for (Py_ssize_t i = 0; i < num_rows; i++) {
         if (row_of[i] < 0 || row_of[i] >= dst_rows)
             goto release;
-
-    char *out = dst.buf;
-    const char *in = src.buf;
-#if defined(__SSE2__)
-    if (nontemporal && (uintptr_t)out % STREAM_BYTES == 0 && row_nbytes % STREAM_BYTES == 0) {
-        for (Py_ssize_t i = 0; i < num_rows; i++)
-            stream_copy(out + row_of[i] * row_nbytes, in + i * row_nbytes, row_nbytes);
-        _mm_sfence();  /* streaming stores are weakly ordered: done before anyone reads */
-        done = 1;
+        offset_of[i] = (Py_ssize_t)row_of[i] * row_nbytes;
     }
-#endif
-    if (!done)
-        for (Py_ssize_t i = 0; i < num_rows; i++)
-            memcpy(out + row_of[i] * row_nbytes, in + i * row_nbytes, row_nbytes);
-    done = 1;
-    goto release;
-refuse:
-    PyErr_Clear();  /* not a contiguous (writable) buffer: the NumPy path decides */
+    if (src.len >= RELEASE_GIL_NBYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        copy_rows(dst.buf, src.buf, offset_of, num_rows, row_nbytes, nontemporal);
+        Py_END_ALLOW_THREADS
+    } else {
+        copy_rows(dst.buf, src.buf, offset_of, num_rows, row_nbytes, nontemporal);
+    }
+    result = Py_True;
 release:
+    PyMem_Free(offset_of);
     if (src.obj)
         PyBuffer_Release(&src);
     if (rows.obj)
         PyBuffer_Release(&rows);
     if (dst.obj)
         PyBuffer_Release(&dst);
-    return PyBool_FromLong(done);
+    Py_XINCREF(result);
+    return result;
 }
 
 static PyMethodDef copy_methods[] = {

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +117,36 @@ def test_c_declines_without_writing_a_byte(case: int) -> None:
     for streaming in (False, True):
         assert copy.scatter_rows(dst, rows, src, row_nbytes, streaming) is False, name
         np.testing.assert_array_equal(dst, before)
+
+
+@needs_copy
+def test_rows_changed_by_another_thread_during_a_copy_move_nothing() -> None:
+    """Large copies release the GIL. Another thread scribbling out-of-range indices into `rows`
+    meanwhile must not redirect the copy: it goes where the check said (or, had the C read
+    `rows` again, it would write outside dst, and ASan or the kernel would say so)."""
+    rng = np.random.default_rng(3)
+    dst = placed((64, 16384), np.dtype(np.uint8), 0, rng)  # 16 KiB rows, 1 MiB in all
+    src = placed((16, 16384), np.dtype(np.uint8), 0, rng)
+    good = rng.permutation(64)[:16].astype(np.int64)
+    rows = good.copy()
+    stop = threading.Event()
+
+    def scribble() -> None:
+        while not stop.is_set():
+            rows[:] = 1 << 40
+            rows[:] = good
+
+    scribbler = threading.Thread(target=scribble)
+    scribbler.start()
+    try:
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            accepted = copy.scatter_rows(dst, rows, src, dst.strides[0], True)
+            if accepted:  # checked while rows held good: so it wrote there
+                np.testing.assert_array_equal(dst[good], src)
+    finally:
+        stop.set()
+        scribbler.join()
 
 
 @needs_copy

@@ -46,7 +46,7 @@ static int is_int64_format(const char *format)
 {
     if (format == NULL)
         return 0;
-    if (*format == '@' || *format == '=' || *format == '<')
+    if (*format == '@' || *format == '=' || (PY_LITTLE_ENDIAN && *format == '<'))
         format++;
     return (format[0] == 'l' || format[0] == 'q') && format[1] == '\0';
 }

@@ -93,6 +93,7 @@ def _refusals(rng: np.random.Generator) -> list[tuple[str, np.ndarray, object, o
         ("row past the end", dst, np.array([1, 8], dtype=np.int64), src, row_nbytes),
         ("int32 rows", dst, good.astype(np.int32), src, row_nbytes),
         ("float rows", dst, good.astype(np.float64), src, row_nbytes),
+        ("big-endian rows", dst, good.astype(">i8"), src, row_nbytes),
         ("src is a view of dst", dst, good, dst[3:5], row_nbytes),
         ("rows are a view of dst", dst, inside, src, row_nbytes),
         ("src too short", dst, good, src[:1], row_nbytes),
@@ -109,7 +110,7 @@ def _refusals(rng: np.random.Generator) -> list[tuple[str, np.ndarray, object, o
 
 
 @needs_copy
-@pytest.mark.parametrize("case", range(15))
+@pytest.mark.parametrize("case", range(16))
 def test_c_declines_without_writing_a_byte(case: int) -> None:
     rng = np.random.default_rng(case)
     name, dst, rows, src, row_nbytes = _refusals(rng)[case]

@@ -471,24 +471,34 @@ class BlockPool:
         held = self._held.setdefault(owner, {})
         state, refs, hashes, policy = self._state, self._refs, self._hashes, self.policy
         accessed, removed, next_victim = policy.accessed, policy.removed, self._next_victim
-        hit_evictable = policy.hit_evictable
+        # Hits on cached blocks go to the policy in one call, delivered before any other event
+        # so that the policy sees every key's events in the order they happened.
+        hits: list[Hashable] = []
         num_uncached = 0
         for block_id in block_ids:
             if state[block_id] == CACHED:
                 if block_id == next_victim:  # a hit cancels the choice; the policy has let it
                     self._next_victim = next_victim = NO_BLOCK  # go already: nothing to remove
                     if count_access:
+                        if hits:
+                            policy.hit_evictable_many(hits)
+                            hits = []
                         accessed(hashes[block_id])
                 elif count_access:
-                    hit_evictable(hashes[block_id])
+                    hits.append(hashes[block_id])
                 else:
                     removed(hashes[block_id])
                 state[block_id] = SEALED
                 num_uncached += 1
             elif count_access:
+                if hits:
+                    policy.hit_evictable_many(hits)
+                    hits = []
                 accessed(hashes[block_id])
             refs[block_id] += 1
             held[block_id] = held.get(block_id, 0) + 1
+        if hits:
+            policy.hit_evictable_many(hits)
         self._num_sealed += num_uncached
 
     # ---- release ---------------------------------------------------------------------------

@@ -250,6 +250,44 @@ def test_pin_does_not_count_an_access_but_lookup_does():
     assert pool.find(b"old") is None and pool.find(b"new") is not None
 
 
+class RecordingLRU(LRUPolicy):
+    """LRU that logs every event, a batch shorthand as its per-key events."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.events: list[tuple[str, bytes]] = []
+
+    def accessed(self, key):
+        self.events.append(("accessed", key))
+        super().accessed(key)
+
+    def hit_evictable(self, key):
+        self.events.append(("hit_evictable", key))
+        super().hit_evictable(key)
+
+    def hit_evictable_many(self, keys):
+        self.events += [("hit_evictable", key) for key in keys]
+        super().hit_evictable_many(keys)
+
+
+def test_a_lookup_tells_the_policy_each_blocks_events_in_block_order():
+    # Hits on cached blocks reach the policy in one batch; a block pinned already (shared, or
+    # named twice) is `accessed`. Every event must still arrive in the lookup's block order: a
+    # block named twice is a hit on a cached block first, then an access to a pinned one.
+    recorder = RecordingLRU(4)
+    pool = Checked(BlockPool(4, recorder))  # full: a victim can be chosen
+    cached_chain(pool, [b"a", b"b", b"c", b"d"])
+    pool.lookup([b"b"], B)  # b is pinned by B: A's lookup below only accesses it
+    pool.choose_next_victim()  # d: a hit on it is an access (the policy has let it go)
+    assert b"d" not in recorder
+    recorder.events.clear()
+    pool.lookup([b"a", b"a", b"b", b"c", b"d", b"c", b"a"], A)
+    assert recorder.events == [("hit_evictable", b"a"), ("accessed", b"a"), ("accessed", b"b"),
+                               ("hit_evictable", b"c"), ("accessed", b"d"), ("accessed", b"c"),
+                               ("accessed", b"a")]
+    assert pool.holdings(A) == {0: 3, 1: 1, 2: 2, 3: 1}
+
+
 @pytest.mark.parametrize("setup", ["free", "owned_by_me", "owned_by_other"])
 def test_pin_rejects_blocks_that_are_not_sealed(policy, setup):
     pool = make_pool(2, policy)

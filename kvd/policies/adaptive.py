@@ -60,9 +60,9 @@ with `--generalisation` on halves, subsamples and generated traces.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
-from kvd.policies.s3fifo import S3FIFOPolicy
+from kvd.policies.s3fifo import MAX_FREQUENCY, S3FIFOPolicy
 
 # S's share before any ghost evidence: the top of the 5-20% range S3-FIFO's sensitivity study finds
 # flat, because ARC's steps shrink S at least as fast as they grow it (theory of operation).
@@ -98,6 +98,19 @@ class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
         else:
             del self._main[key]
             self._pinned[key] = True
+
+    def hit_evictable_many(self, keys: Sequence[Hashable]) -> None:
+        frequency, small, main, pinned = self._frequency, self._small, self._main, self._pinned
+        for key in keys:
+            if key in small:
+                count = frequency[key]
+                if count < MAX_FREQUENCY:
+                    frequency[key] = count + 1
+                del small[key]
+                pinned[key] = False
+            else:
+                del main[key]
+                pinned[key] = True
 
     def _evict_to_ghost(self, key: Hashable) -> Hashable:
         super()._evict_to_ghost(key)

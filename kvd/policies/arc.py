@@ -92,6 +92,12 @@ class ARCPolicy(EvictionPolicy):
         del (self._t1 if key in self._t1 else self._t2)[key]
         self._pinned[key] = True
 
+    def hit_evictable_many(self, keys: Sequence[Hashable]) -> None:
+        t1, t2, pinned = self._t1, self._t2, self._pinned
+        for key in keys:
+            del (t1 if key in t1 else t2)[key]
+            pinned[key] = True
+
     def discard(self, key: Hashable) -> None:
         del (self._t1 if key in self._t1 else self._t2)[key]
 

@@ -16,13 +16,15 @@ A policy never touches memory, the free list or ref counts. The pool tells it fi
                          unreachable when its prefix parent was the victim): forget it, and
                          leave no ghost — the policy's judgement was not involved
 
-and two shorthands for a batch's per-block events, which the base class spells out and a policy
+and three shorthands for a batch's per-block events, which the base class spells out and a policy
 may do more cheaply: `hit_evictable(key)` is exactly `accessed(key)` then `removed(key)` (a lookup
 hit on a cached block pins it; every policy here pays no hit reward that the removal undoes at
 once, such as LRU's move to the end: a batch-256 lookup in the pool took 30 % less time with
-kvd's default policy), and `inserted_many(keys, tiers)` is `inserted` for each key in order (a
-release's blocks becoming evictable: one call instead of one per block, 20-30 % off a batch-256
-release with the default policy).
+kvd's default policy), `hit_evictable_many(keys)` is `hit_evictable` for each key in order (a
+lookup's cached blocks), and `inserted_many(keys, tiers)` is `inserted` for each key in order (a
+release's blocks becoming evictable). The batch forms are one call instead of one per block, with
+the policy's tables in locals: 20-30 % off a batch-256 release and 22 % off a batch-256 lookup in
+the pool with the default policy (in-process, old and new code alternating).
 
 Keys are content, not block ids, so a policy that remembers evicted keys (ARC's ghost lists,
 S3-FIFO's ghost queue) recognises a block's content when it comes back in another block.
@@ -88,6 +90,11 @@ class EvictionPolicy(ABC):
         """The evictable `key` was hit and pinned: `accessed(key)`, then `removed(key)`."""
         self.accessed(key)
         self.removed(key)
+
+    def hit_evictable_many(self, keys: Sequence[Hashable]) -> None:
+        """`hit_evictable(key)` for each key, in order."""
+        for key in keys:
+            self.hit_evictable(key)
 
     @abstractmethod
     def victim(self) -> Hashable | None:

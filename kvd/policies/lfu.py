@@ -88,6 +88,12 @@ class LFUPolicy(EvictionPolicy):
         self._frequency[key] = min(self._frequency[key] + 1, MAX_FREQUENCY)
         self._dequeue(key)  # no re-queue at the new priority: the removal would undo it
 
+    def hit_evictable_many(self, keys: Sequence[Hashable]) -> None:
+        frequency, dequeue = self._frequency, self._dequeue
+        for key in keys:
+            frequency[key] = min(frequency[key] + 1, MAX_FREQUENCY)
+            dequeue(key)
+
     def discard(self, key: Hashable) -> None:
         self._dequeue(key)
         del self._frequency[key]

@@ -45,6 +45,11 @@ class LRUPolicy(EvictionPolicy):
     def hit_evictable(self, key: Hashable) -> None:
         del self._order[key]  # the hit's move to the end is undone by the removal
 
+    def hit_evictable_many(self, keys: Sequence[Hashable]) -> None:
+        order = self._order
+        for key in keys:
+            del order[key]
+
     def discard(self, key: Hashable) -> None:
         del self._order[key]
 

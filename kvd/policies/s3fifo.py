@@ -104,6 +104,19 @@ class S3FIFOPolicy(EvictionPolicy):
             self._frequency[key] = frequency + 1
         self.removed(key)
 
+    def hit_evictable_many(self, keys: Sequence[Hashable]) -> None:
+        frequency, small, main, pinned = self._frequency, self._small, self._main, self._pinned
+        for key in keys:
+            count = frequency[key]
+            if count < MAX_FREQUENCY:
+                frequency[key] = count + 1
+            if key in small:
+                del small[key]
+                pinned[key] = False
+            else:
+                del main[key]
+                pinned[key] = True
+
     def discard(self, key: Hashable) -> None:
         del (self._small if key in self._small else self._main)[key]
         del self._frequency[key]

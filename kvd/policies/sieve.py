@@ -84,6 +84,12 @@ class SIEVEPolicy(EvictionPolicy):
         self._visited[key] = True
         self._unlink(key)
 
+    def hit_evictable_many(self, keys: Sequence[Hashable]) -> None:
+        visited, unlink = self._visited, self._unlink
+        for key in keys:
+            visited[key] = True
+            unlink(key)
+
     def discard(self, key: Hashable) -> None:
         self._unlink(key)
         del self._visited[key]

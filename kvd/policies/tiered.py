@@ -111,6 +111,16 @@ class TieredPolicy(EvictionPolicy):
     def hit_evictable(self, key: Hashable) -> None:
         self.policies[self._tier_of[key]].hit_evictable(key)
 
+    def hit_evictable_many(self, keys: Sequence[Hashable]) -> None:
+        # Each tier's keys in one call, in order (the tiers' policies are independent).
+        by_tier: list[list[Hashable]] = [[] for _ in self.policies]
+        tier_of = self._tier_of
+        for key in keys:
+            by_tier[tier_of[key]].append(key)
+        for policy, tier_keys in zip(self.policies, by_tier):
+            if tier_keys:
+                policy.hit_evictable_many(tier_keys)
+
     def discard(self, key: Hashable) -> None:
         self.policies[self._forget(key)].discard(key)
 

@@ -35,7 +35,9 @@ def drive(policy: EvictionPolicy, seed: int, num_steps: int = 3000,
 
     With `twin` (a second policy of the same kind), every event goes to both, except that the
     shorthands go to `policy` only: a hit that pins an evictable key is `hit_evictable` for it
-    and `accessed` then `removed` for the twin, a batch of keys becoming evictable
+    and `accessed` then `removed` for the twin, hits on a batch of evictable keys
+    `hit_evictable_many` for it and `accessed`, `removed` key by key for the twin, a batch of
+    keys becoming evictable (pinned ones, new ones, evicted ones that may be ghosts)
     `inserted_many` for it and `inserted` key by key for the twin. The contract says those are
     the same: every victim must then agree.
     """
@@ -59,24 +61,35 @@ def drive(policy: EvictionPolicy, seed: int, num_steps: int = 3000,
             for each in both:
                 each.accessed(key)
         elif op < 0.6 and evictable:
-            key = rng.choice(sorted(evictable))
-            if rng.random() < 0.5:
+            choice = rng.random()
+            keys = [rng.choice(sorted(evictable))]
+            if choice < 0.4:
                 for each in both:
-                    each.removed(key)
+                    each.removed(keys[0])
+            elif choice < 0.7:
+                policy.hit_evictable(keys[0])
             else:
-                policy.hit_evictable(key)
-                if twin is not None:
+                keys = rng.sample(sorted(evictable), min(len(evictable), rng.randint(1, 5)))
+                policy.hit_evictable_many(keys)
+            if choice >= 0.4 and twin is not None:
+                for key in keys:
                     twin.accessed(key)
                     twin.removed(key)
-            evictable.remove(key)
-            pinned.add(key)
+            evictable.difference_update(keys)
+            pinned.update(keys)
         elif op < 0.72 and pinned:
             keys = rng.sample(sorted(pinned), min(len(pinned), rng.randint(1, 4)))
+            if rng.random() < 0.5:  # and keys that were never cached or were evicted
+                keys += [next_key, next_key + 1]
+                next_key += 2
+                keys += rng.sample(sorted(evicted), min(len(evicted), rng.randint(0, 2)))
+                rng.shuffle(keys)
             policy.inserted_many(keys, [key % 2 for key in keys])
             if twin is not None:
                 for key in keys:
                     twin.inserted(key, key % 2)
             pinned.difference_update(keys)
+            evicted.difference_update(keys)
             evictable.update(keys)
         elif op < 0.77 and evictable:
             key = rng.choice(sorted(evictable))

@@ -25,6 +25,9 @@ block until it holds content:
   * `generations` uint64 per block (in the shared segment when a daemon runs): bumped every time a
     block goes back to FREE, so a reader holding a stale id can tell it was reused (invariant 5);
   * `_tier`   bytearray: who wrote each sealed block (TIER_PREFILL or TIER_DECODE), for the policy;
+  * `_is_duplicate` bytearray: a SEALED block outside the index (see Duplicates below), so that a
+    release tells a duplicate without probing the index (a random access into a table of every
+    cached hash, where a batch's blocks are neighbours in these arrays);
   * `_parent`, `_first_child`, `_next_sibling`, `_prev_sibling`, `_is_orphan`: the prefix tree.
 
 Prefix tree (strict prefix awareness): a block sealed with its parent's key (the page table always
@@ -165,6 +168,7 @@ class BlockPool:
         self._next_sibling = array("i", [NO_BLOCK]) * num_blocks
         self._prev_sibling = array("i", [NO_BLOCK]) * num_blocks
         self._is_orphan = bytearray(num_blocks)
+        self._is_duplicate = bytearray(num_blocks)
         self._index: dict[Hashable, int] = {}
         self._held: dict[int, dict[int, int]] = {}
         self._num_owned = 0
@@ -340,6 +344,7 @@ class BlockPool:
         self._state[block_id] = FREE
         self._tier[block_id] = 0
         self._is_orphan[block_id] = 0
+        self._is_duplicate[block_id] = 0
         self._refs[block_id] = 0
         self._generations[block_id] += 1
         self._free.append(block_id)
@@ -375,6 +380,7 @@ class BlockPool:
         if len(block_ids) > 1 and len(set(block_ids)) != len(block_ids):
             raise BadArgsError("seal names the same block twice")
         hashes, index, tier_of = self._hashes, self._index, self._tier
+        is_duplicate = self._is_duplicate
         indexed = []  # per block: newly indexed
         for position, block_id in enumerate(block_ids):
             key = keys[position]
@@ -387,6 +393,8 @@ class BlockPool:
                 if parents is not None and parents[position] is not None:
                     self._adopt(block_id, parents[position])
                 index[key] = block_id
+            else:
+                is_duplicate[block_id] = 1
             indexed.append(is_new)
         if self.observer is not None:
             self.observer.sealed(self.journal_rows(
@@ -552,8 +560,8 @@ class BlockPool:
         One loop with the pool's tables in locals, and one policy call for every block that
         became evictable: at batch 256 the per-block work is all there is, and a method call per
         block was 12-20 % of a release (in-process, old/new alternating)."""
-        state, refs, hashes, index = self._state, self._refs, self._hashes, self._index
-        is_orphan, tiers = self._is_orphan, self._tier
+        state, refs, hashes, tiers = self._state, self._refs, self._hashes, self._tier
+        is_orphan, is_duplicate = self._is_orphan, self._is_duplicate
         num_last_pins = 0  # sealed blocks whose last pin this was: no longer SEALED
         cached_keys: list[Hashable] = []  # for the policy in one call, in release order
         cached_tiers: list[int] = []
@@ -571,8 +579,8 @@ class BlockPool:
                 continue
             num_last_pins += 1
             key = hashes[block_id]
-            if index.get(key) != block_id:
-                # A duplicate: nobody can look it up, so keeping it would only waste a block.
+            if is_duplicate[block_id]:
+                # Nobody can look it up, so keeping it would only waste a block.
                 hashes[block_id] = None
                 self._to_free(block_id)
             elif is_orphan[block_id]:
@@ -592,13 +600,13 @@ class BlockPool:
     def _unpin_one(self, block_id: int, held: dict[int, int]) -> None:
         """`_unpin` of one block (held at least once), without the loop's setup and lists: the
         single-block release that most requests are (a third off, in-process old/new)."""
-        key = self._hashes[block_id]
         if (self._state[block_id] != SEALED or self._refs[block_id] != 1
-                or self._index.get(key) != block_id or self._is_orphan[block_id]):
+                or self._is_duplicate[block_id] or self._is_orphan[block_id]):
             self._unpin((block_id,), held)  # a write aborted, a shared block, ...: the loop
             return
         # The last pin on an indexed block (so this owner's only one): it becomes CACHED, as
         # in _unpin.
+        key = self._hashes[block_id]
         del held[block_id]
         self._refs[block_id] = 0
         self._state[block_id] = CACHED
@@ -768,6 +776,9 @@ class BlockPool:
             raise InternalError(f"{where}: an owned block must have exactly its owner's ref")
         if state == SEALED and (refs < 1 or key is None):
             raise InternalError(f"{where}: a sealed block must be pinned and hashed")
+        if self._is_duplicate[block_id] != (state == SEALED and not self._is_indexed(block_id)):
+            raise InternalError(f"{where}: duplicate mark {self._is_duplicate[block_id]} is wrong: "
+                                "a duplicate is exactly a sealed block outside the index")
         is_tracked = key in self.policy
         if state == CACHED and (refs or key is None or self._index.get(key) != block_id
                                 or is_tracked == (block_id == self._next_victim)):

@@ -545,6 +545,7 @@ def test_generation_bumps_every_time_a_block_returns_to_free(policy):
     (lambda p: p._index.__setitem__(b"ghost", 2), "does not hold it"),
     (lambda p: p._free.append(2), "state counts|free list"),
     (lambda p: p.policy.removed(b"c"), "evictable|state counts"),
+    (lambda p: p._is_duplicate.__setitem__(0, 1), "duplicate"),
 ])
 def test_check_invariants_catches_corruption(corrupt, match):
     pool = BlockPool(4)
@@ -554,6 +555,16 @@ def test_check_invariants_catches_corruption(corrupt, match):
     pool.check_invariants()
     corrupt(pool)
     with pytest.raises(InternalError, match=match):
+        pool.check_invariants()
+
+
+def test_check_invariants_catches_a_duplicate_that_is_not_marked():
+    pool = BlockPool(3)
+    original, duplicate = pool.allocate(2, A)
+    assert pool.seal([original, duplicate], [b"k", b"k"], A) == [True, False]
+    pool.check_invariants()
+    pool._is_duplicate[duplicate] = 0  # its release would cache it under the original's hash
+    with pytest.raises(InternalError, match="duplicate"):
         pool.check_invariants()
 
 

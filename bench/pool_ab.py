@@ -1,0 +1,97 @@
+"""The pool's batch ops against an earlier revision of kvd/pool.py, in one process, in turns.
+
+Separate runs of bench/pool.py on a shared VM drift by more than a pool change is worth (the same
+code read 561k and 829k block-lookups/s in consecutive runs), so this bench loads the pool module
+as it was at `--base` (`git show BASE:kvd/pool.py`) next to the working tree's and drives both
+with the same workload in alternating chunks; only their ratio is reported. Both pools use the
+working tree's policies: what differs is the pool and what it asks of the policy.
+
+Each round at batch B, on a pool large enough that nothing is evicted (bench/pool.py measures
+full pools): allocate B → seal under B fresh 16-byte keys → release (CACHED) → lookup (pinned
+again) → release, each call timed.
+
+    python -m bench.pool_ab [--base REV] [--policy NAME] [--batch B] [--chunks N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+
+import kvd.pool
+from bench.common import ROOT, markdown_table
+from bench.pool import OWNER, digests
+from kvd.policies import DEFAULT_POLICY
+
+OPS = ("allocate", "seal", "release", "lookup", "release again")
+ROUNDS_PER_CHUNK = 10
+
+
+def pool_module_at(revision: str, directory: str) -> ModuleType:
+    """kvd/pool.py as committed at `revision`, imported under another name."""
+    source = subprocess.run(["git", "show", f"{revision}:kvd/pool.py"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout
+    path = Path(directory) / "base_pool.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("base_pool", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(base: str, policy: str, batch: int, num_chunks: int) -> dict[str, dict[str, float]]:
+    with tempfile.TemporaryDirectory(prefix="kvd-pool-ab-") as directory:
+        modules = {"base": pool_module_at(base, directory), "working tree": kvd.pool}
+    num_blocks = 1 << max(16, (4 * batch).bit_length())
+    pools = {name: module.BlockPool(num_blocks, policy) for name, module in modules.items()}
+    samples = {name: {op: [] for op in OPS} for name in pools}
+    clock, key = time.perf_counter_ns, 0
+    for chunk in range(num_chunks + 1):  # the first chunk warms up and is dropped
+        for name, pool in pools.items():
+            for _ in range(ROUNDS_PER_CHUNK):
+                key += batch
+                keys = digests(key, batch)
+                times = [clock()]
+                block_ids = pool.allocate(batch, OWNER)
+                times.append(clock())
+                pool.seal(block_ids, keys, OWNER)
+                times.append(clock())
+                pool.release(block_ids, OWNER)
+                times.append(clock())
+                pool.lookup(keys, OWNER)
+                times.append(clock())
+                pool.release(block_ids, OWNER)
+                times.append(clock())
+                if chunk:
+                    for op, start, end in zip(OPS, times, times[1:]):
+                        samples[name][op].append(end - start)
+    return {name: {op: sorted(values)[len(values) // 2] / 1e3 for op, values in ops.items()}
+            for name, ops in samples.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="HEAD", help="git revision of kvd/pool.py to compare")
+    parser.add_argument("--policy", default=DEFAULT_POLICY)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--chunks", type=int, default=40)
+    args = parser.parse_args(argv)
+    medians = run(args.base, args.policy, args.batch, args.chunks)
+    base, mine = medians["base"], medians["working tree"]
+    print(f"BlockPool at {args.base} vs the working tree, policy {args.policy}, batch "
+          f"{args.batch}, {args.chunks} chunks of {ROUNDS_PER_CHUNK} rounds each in turns "
+          "(median µs per call)\n")
+    print(markdown_table(["op", f"{args.base} µs", "working tree µs", "working tree / base"],
+                         [[op, f"{base[op]:.1f}", f"{mine[op]:.1f}", f"{mine[op] / base[op]:.2f}x"]
+                          for op in OPS]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

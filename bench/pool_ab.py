@@ -1,10 +1,10 @@
-"""The pool's batch ops against an earlier revision of kvd/pool.py, in one process, in turns.
+"""The pool's batch ops against an earlier revision of the pool and its policies, in one process.
 
 Separate runs of bench/pool.py on a shared VM drift by more than a pool change is worth (the same
-code read 561k and 829k block-lookups/s in consecutive runs), so this bench loads the pool module
-as it was at `--base` (`git show BASE:kvd/pool.py`) next to the working tree's and drives both
-with the same workload in alternating chunks; only their ratio is reported. Both pools use the
-working tree's policies: what differs is the pool and what it asks of the policy.
+code read 561k and 829k block-lookups/s in consecutive runs), so this bench loads kvd/pool.py,
+kvd/errors.py and kvd/policies/ as they were at `--base` (`git show`) as a package of their own
+next to the working tree's, and drives both pools with the same workload in alternating chunks;
+only their ratio is reported.
 
 Each round at batch B, on a pool large enough that nothing is evicted (bench/pool.py measures
 full pools): allocate B → seal under B fresh 16-byte keys → release (CACHED) → lookup (pinned
@@ -16,7 +16,7 @@ again) → release, each call timed.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import subprocess
 import sys
 import tempfile
@@ -33,16 +33,32 @@ OPS = ("allocate", "seal", "release", "lookup", "release again")
 ROUNDS_PER_CHUNK = 10
 
 
+BASE_PACKAGE = "kvd_base"
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True,
+                          text=True).stdout
+
+
 def pool_module_at(revision: str, directory: str) -> ModuleType:
-    """kvd/pool.py as committed at `revision`, imported under another name."""
-    source = subprocess.run(["git", "show", f"{revision}:kvd/pool.py"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
-    path = Path(directory) / "base_pool.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("base_pool", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """kvd.pool as committed at `revision` (with that revision's errors and policies), imported
+    as package BASE_PACKAGE from `directory`."""
+    package = Path(directory) / BASE_PACKAGE
+    (package / "policies").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    paths = ["kvd/pool.py", "kvd/errors.py"] + git("ls-tree", "--name-only", revision,
+                                                    "kvd/policies/").split()
+    for path in paths:
+        source = git("show", f"{revision}:{path}")
+        source = source.replace("from kvd.", f"from {BASE_PACKAGE}.").replace(
+            "from kvd import", f"from {BASE_PACKAGE} import")
+        (package / Path(path).relative_to("kvd")).write_text(source)
+    sys.path.insert(0, directory)
+    try:
+        return importlib.import_module(f"{BASE_PACKAGE}.pool")
+    finally:
+        sys.path.remove(directory)
 
 
 def run(base: str, policy: str, batch: int, num_chunks: int) -> dict[str, dict[str, float]]:

@@ -12,7 +12,10 @@ promoted to the *main* queue M if it was hit while in S, else evicted and rememb
 M is a FIFO with lazy promotion (a two-bit counter, CLOCK-like): its oldest key is evicted when
 its counter is 0, else reinserted with the counter decremented.
 
-Hits only bump a counter (capped at 3), so a hit costs one dict store and no list surgery.
+Hits only bump a counter (capped at 3), so a hit costs one dict store and no list surgery. The
+counter is the key's value in its queue (or in the table of pinned keys), not an entry in a table
+of its own: one table fewer to touch per event, which is what a batch's events cost in a pool of
+many thousand keys (bench/pool_ab.py).
 Every queue is an `OrderedDict` (O(1) append and pop-oldest); reinsertions are amortised
 against the hits that earned them (at most 3 per hit), so a victim is O(1) amortised.
 
@@ -31,6 +34,7 @@ from kvd.policies.base import TIER_PREFILL, EvictionPolicy
 
 SMALL_SHARE = 0.1  # the paper's default share of S; its sensitivity study finds 5-20% flat
 MAX_FREQUENCY = 3  # two bits, as in the paper
+COUNTER, IN_MAIN = 0b011, 0b100  # a pinned key's entry: its counter, and whether it left M
 
 
 class S3FIFOPolicy(EvictionPolicy):
@@ -44,39 +48,40 @@ class S3FIFOPolicy(EvictionPolicy):
             raise ValueError(f"small_share must be in (0, 1), got {small_share}")
         self.small_target = max(1, round(capacity * small_share))
         self._ghost_limit = max(1, capacity - self.small_target)
-        self._small: OrderedDict[Hashable, None] = OrderedDict()  # oldest first
-        self._main: OrderedDict[Hashable, None] = OrderedDict()
+        # Each cached key's counter lives where the key is: S and M map key → counter (oldest
+        # first), and a pinned key's entry packs its counter with IN_MAIN if it left M.
+        self._small: OrderedDict[Hashable, int] = OrderedDict()
+        self._main: OrderedDict[Hashable, int] = OrderedDict()
+        self._pinned: dict[Hashable, int] = {}  # cached, not evictable
         self._ghost: OrderedDict[Hashable, None] = OrderedDict()
-        self._frequency: dict[Hashable, int] = {}  # every cached key, evictable or pinned
-        self._pinned: dict[Hashable, bool] = {}  # cached, not evictable → is in main
 
     def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
-        # A key pinned while cached goes back to its queue, a new one to M if it is a ghost
-        # hit, else to S unhit.
-        is_main = self._pinned.pop(key, None)
-        if is_main is None:
-            self._frequency[key] = 0
-            is_main = self._is_ghost_hit(key)
-        (self._main if is_main else self._small)[key] = None
+        # A key pinned while cached goes back to its queue with its counter, a new one to M if
+        # it is a ghost hit, else to S unhit.
+        packed = self._pinned.pop(key, None)
+        if packed is None:
+            (self._main if self._is_ghost_hit(key) else self._small)[key] = 0
+        else:
+            (self._main if packed & IN_MAIN else self._small)[key] = packed & COUNTER
 
     def inserted_many(self, keys: Sequence[Hashable], tiers: Sequence[int]) -> None:
         # inserted() as one loop over locals, for the pool's releases (routing single inserts
         # through here instead measured slower per policy event, bench/policies.py).
-        pinned, frequency, is_ghost_hit = self._pinned, self._frequency, self._is_ghost_hit
-        main, small = self._main, self._small
+        pinned, is_ghost_hit, main, small = self._pinned, self._is_ghost_hit, self._main, self._small
         for key in keys:
-            is_main = pinned.pop(key, None)
-            if is_main is None:
-                frequency[key] = 0
-                is_main = is_ghost_hit(key)
-            (main if is_main else small)[key] = None
+            packed = pinned.pop(key, None)
+            if packed is None:
+                (main if is_ghost_hit(key) else small)[key] = 0
+            elif packed & IN_MAIN:
+                main[key] = packed ^ IN_MAIN
+            else:
+                small[key] = packed
 
     def restored(self, keys: Sequence[Hashable], tiers: Sequence[int]) -> None:
         # A fresh policy has no ghosts, so every key enters S unhit, as `inserted` would do it.
-        if self._frequency:
+        if self._small or self._main or self._pinned:
             raise ValueError("restored() needs a policy that tracks nothing yet")
-        self._frequency = dict.fromkeys(keys, 0)
-        self._small = OrderedDict.fromkeys(keys)
+        self._small = OrderedDict.fromkeys(keys, 0)
 
     def _is_ghost_hit(self, key: Hashable) -> bool:
         """A newly cached key: whether it left S unhit recently (then it goes to M)."""
@@ -86,67 +91,60 @@ class S3FIFOPolicy(EvictionPolicy):
         return True
 
     def accessed(self, key: Hashable) -> None:
-        frequency = self._frequency.get(key)
-        if frequency is not None and frequency < MAX_FREQUENCY:
-            self._frequency[key] = frequency + 1
+        # (assigning to a key an OrderedDict holds keeps its position)
+        for queue in (self._small, self._main):
+            count = queue.get(key)
+            if count is not None:
+                if count < MAX_FREQUENCY:
+                    queue[key] = count + 1
+                return
+        packed = self._pinned.get(key)
+        if packed is not None and packed & COUNTER < MAX_FREQUENCY:
+            self._pinned[key] = packed + 1
 
     def removed(self, key: Hashable) -> None:
-        if key in self._small:
-            del self._small[key]
-            self._pinned[key] = False
-        else:
-            del self._main[key]
-            self._pinned[key] = True
+        count = self._small.pop(key, None)
+        self._pinned[key] = self._main.pop(key) | IN_MAIN if count is None else count
 
     def hit_evictable(self, key: Hashable) -> None:
-        frequency = self._frequency[key]  # an evictable key always has a counter
-        if frequency < MAX_FREQUENCY:
-            self._frequency[key] = frequency + 1
-        self.removed(key)
+        self.hit_evictable_many((key,))
 
     def hit_evictable_many(self, keys: Sequence[Hashable]) -> None:
-        frequency, small, main, pinned = self._frequency, self._small, self._main, self._pinned
+        small, main, pinned = self._small, self._main, self._pinned
         for key in keys:
-            count = frequency[key]
-            if count < MAX_FREQUENCY:
-                frequency[key] = count + 1
-            if key in small:
-                del small[key]
-                pinned[key] = False
+            count = small.pop(key, None)
+            packed = IN_MAIN
+            if count is None:
+                count = main.pop(key)
             else:
-                del main[key]
-                pinned[key] = True
+                packed = 0
+            pinned[key] = packed | (count + 1 if count < MAX_FREQUENCY else count)
 
     def discard(self, key: Hashable) -> None:
-        del (self._small if key in self._small else self._main)[key]
-        del self._frequency[key]
+        if self._small.pop(key, None) is None:
+            del self._main[key]
 
     def victim(self) -> Hashable | None:
         while self._small and (len(self._small) >= self.small_target or not self._main):
-            key = self._small.popitem(last=False)[0]
-            if self._frequency[key] == 0:
+            key, count = self._small.popitem(last=False)
+            if count == 0:
                 return self._evict_to_ghost(key)
-            self._frequency[key] = 0
-            self._main[key] = None
+            self._main[key] = 0
         return self._evict_main()
 
     def _evict_to_ghost(self, key: Hashable) -> Hashable:
-        del self._frequency[key]
         self._ghost[key] = None
         if len(self._ghost) > self._ghost_limit:
             self._ghost.popitem(last=False)
         return key
 
     def _evict_main(self) -> Hashable | None:
-        main, frequency = self._main, self._frequency
+        main = self._main
         while main:
-            key = main.popitem(last=False)[0]
-            count = frequency[key]
+            key, count = main.popitem(last=False)
             if count == 0:
-                del frequency[key]
                 return self._evicted_from_main(key)
-            frequency[key] = count - 1
-            main[key] = None
+            main[key] = count - 1
         return None
 
     def _evicted_from_main(self, key: Hashable) -> Hashable:

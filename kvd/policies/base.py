@@ -23,8 +23,8 @@ once, such as LRU's move to the end: a batch-256 lookup in the pool took 30 % le
 kvd's default policy), `hit_evictable_many(keys)` is `hit_evictable` for each key in order (a
 lookup's cached blocks), and `inserted_many(keys, tiers)` is `inserted` for each key in order (a
 release's blocks becoming evictable). The batch forms are one call instead of one per block, with
-the policy's tables in locals: 20-30 % off a batch-256 release and 22 % off a batch-256 lookup in
-the pool with the default policy (in-process, old and new code alternating).
+the policy's tables in locals: 20-30 % off a batch-256 release, and 22 % off a batch-256 lookup in
+the pool with the default policy (`python -m bench.pool_ab` against the pool without it).
 
 Keys are content, not block ids, so a policy that remembers evicted keys (ARC's ghost lists,
 S3-FIFO's ghost queue) recognises a block's content when it comes back in another block.

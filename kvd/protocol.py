@@ -80,7 +80,7 @@ _LENGTH = struct.Struct(">I")
 _REQUIRED: Any = object()
 _local = threading.local()
 
-PURE_PYTHON_ENV = "KVD_PURE_PYTHON"  # =1: never use kvd/_wire.c
+PURE_PYTHON_ENV = "KVD_PURE_PYTHON"  # =1: never use kvd/_wire.c (nor _copy.c, _pool.c)
 try:
     from kvd import _wire as _built_wire
 except ImportError:  # not built (a plain source checkout, or no C compiler at install)

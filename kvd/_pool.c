@@ -1,0 +1,438 @@
+/* kvd._pool: the block pool's per-block loops in C, every uncommon block left to kvd/pool.py.
+
+Theory of operation
+-------------------
+At batch 256 a request's cost is the pool's per-block bookkeeping: for each block a few stores
+into the pool's tables (state bytes, the ref-count and hash lists, the owner's {block: pins}
+dict, the hash index), each one a bytecode dispatch or a method call in Python. These functions
+run those loops over the very same tables, which kvd/pool.py passes in on each call (so a table
+the pool replaces, as `restore` does, needs nothing here), for the blocks that make up the
+traffic:
+
+    own(block_ids, held, state, refs) -> bool                  allocate's marking
+    prefix(index, keys) -> list | None                         lookup's walk of the index
+    pin_run(...)       -> (stop, num_uncached)                 _pin_sealed's common blocks
+    unpin_run(...)     -> (stop, num_last_pins)                _unpin's common blocks
+    first_unsealable(block_ids, keys, held, state) -> int      seal's validation
+    seal_run(...)      -> stop                                 seal's publishing
+
+A `*_run` function processes blocks from `start` in order and stops *before* the first block it
+does not handle -- a policy event other than a hit, a block to free, an orphan, a parent to link,
+anything of an unexpected type -- returning that position (len(block_ids) when it did them all);
+kvd/pool.py then does that one block itself, exactly as its pure-Python loop would, and calls
+again. A block is either done completely here or not touched, so the two interleave into the
+pure loop's result event for event; the Python loop is the specification, and with
+KVD_PURE_PYTHON=1 (or where this is not built) it is all that runs. tests/test_pool_c.py runs
+random operation sequences on a pool with this module and one without and compares every table
+and every policy event.
+
+Safety: the tables are the pool's private objects, but the ids come from clients, so every id is
+checked to be an exact int inside the tables, and every table's type and length is checked on
+each call; anything off stops the run (`own`: returns False, `prefix`: None) and the Python path
+raises the error it names. Keys are only hashed here when they are exact bytes (no Python
+__hash__ or __eq__ can run in the middle of a loop); other keys stop the run.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+/* kvd/pool.py's block states. */
+enum { FREE = 0, OWNED = 1, SEALED = 2, CACHED = 3 };
+
+/* The id `item` names if it is an exact int in [0, num_blocks), else -1. */
+static Py_ssize_t block_index(PyObject *item, Py_ssize_t num_blocks)
+{
+    if (!PyLong_CheckExact(item))
+        return -1;
+    Py_ssize_t block_id = PyLong_AsSsize_t(item);
+    if (block_id == -1 && PyErr_Occurred()) {
+        PyErr_Clear();  /* too large for a Py_ssize_t: out of range */
+        return -1;
+    }
+    return block_id < num_blocks ? block_id : -1;
+}
+
+/* The pool's per-block tables: `num_blocks` comes from `state`, the others must be as long. */
+static int tables_fit(PyObject *state, PyObject *const *lists, int num_lists,
+                      PyObject *const *bytearrays, int num_bytearrays)
+{
+    if (!PyByteArray_CheckExact(state))
+        return 0;
+    Py_ssize_t num_blocks = PyByteArray_GET_SIZE(state);
+    for (int i = 0; i < num_lists; i++)
+        if (!PyList_CheckExact(lists[i]) || PyList_GET_SIZE(lists[i]) != num_blocks)
+            return 0;
+    for (int i = 0; i < num_bytearrays; i++)
+        if (!PyByteArray_CheckExact(bytearrays[i])
+                || PyByteArray_GET_SIZE(bytearrays[i]) != num_blocks)
+            return 0;
+    return 1;
+}
+
+/* held[block] = pins + change (deleted at 0); the item is known to hold an int. */
+static int add_pins(PyObject *held, PyObject *block, long pins, long change)
+{
+    pins += change;
+    if (pins == 0)
+        return PyDict_DelItem(held, block);
+    PyObject *value = PyLong_FromLong(pins);
+    if (value == NULL)
+        return -1;
+    int status = PyDict_SetItem(held, block, value);
+    Py_DECREF(value);
+    return status;
+}
+
+/* The pins `held` has on `block` (0 when none); -1 with an exception, -2 for a non-int value. */
+static long pins_of(PyObject *held, PyObject *block)
+{
+    PyObject *value = PyDict_GetItemWithError(held, block);  /* borrowed */
+    if (value == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (!PyLong_CheckExact(value))
+        return -2;
+    long pins = PyLong_AsLong(value);
+    if (pins == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -2;
+    }
+    return pins < 0 ? -2 : pins;
+}
+
+/* refs[block] as a C long; -1 if it is not a non-negative int that fits. */
+static long ref_count(PyObject *refs, Py_ssize_t block_id)
+{
+    PyObject *value = PyList_GET_ITEM(refs, block_id);
+    if (!PyLong_CheckExact(value))
+        return -1;
+    long count = PyLong_AsLong(value);
+    if (count == -1 && PyErr_Occurred())
+        PyErr_Clear();
+    return count < 0 ? -1 : count;
+}
+
+static int set_ref_count(PyObject *refs, Py_ssize_t block_id, long count)
+{
+    PyObject *value = PyLong_FromLong(count);
+    if (value == NULL)
+        return -1;
+    return PyList_SetItem(refs, block_id, value);  /* steals value, drops the old int */
+}
+
+static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t expected)
+{
+    if (nargs == expected)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, expected, nargs);
+    return -1;
+}
+
+static Py_ssize_t start_of(PyObject *arg, Py_ssize_t length)
+{
+    Py_ssize_t start = PyLong_AsSsize_t(arg);
+    if (start == -1 && PyErr_Occurred())
+        return -1;
+    if (start < 0 || start > length) {
+        PyErr_SetString(PyExc_ValueError, "start is outside block_ids");
+        return -1;
+    }
+    return start;
+}
+
+/* own(block_ids, held, state, refs): every FREE block OWNED with one pin in `held`. */
+static PyObject *pool_own(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("own", nargs, 4) < 0)
+        return NULL;
+    PyObject *block_ids = args[0], *held = args[1], *state = args[2], *refs = args[3];
+    if (!PyList_CheckExact(block_ids) || !PyDict_CheckExact(held)
+            || !tables_fit(state, &refs, 1, NULL, 0))
+        Py_RETURN_FALSE;
+    Py_ssize_t count = PyList_GET_SIZE(block_ids), num_blocks = PyByteArray_GET_SIZE(state);
+    char *states = PyByteArray_AS_STRING(state);
+    for (Py_ssize_t i = 0; i < count; i++) {  /* check all before changing any */
+        Py_ssize_t block_id = block_index(PyList_GET_ITEM(block_ids, i), num_blocks);
+        if (block_id < 0 || states[block_id] != FREE)
+            Py_RETURN_FALSE;
+    }
+    PyObject *one = PyLong_FromLong(1);
+    if (one == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PyList_GET_ITEM(block_ids, i);
+        Py_ssize_t block_id = PyLong_AsSsize_t(item);
+        states[block_id] = OWNED;
+        Py_INCREF(one);
+        PyList_SetItem(refs, block_id, one);
+        if (PyDict_SetItem(held, item, one) < 0) {
+            Py_DECREF(one);
+            return NULL;
+        }
+    }
+    Py_DECREF(one);
+    Py_RETURN_TRUE;
+}
+
+/* prefix(index, keys): the blocks of the longest prefix of `keys` in `index`; None unless
+   `keys` is a list of bytes (up to the first miss) and `index` a dict. */
+static PyObject *pool_prefix(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("prefix", nargs, 2) < 0)
+        return NULL;
+    PyObject *index = args[0], *keys = args[1];
+    if (!PyDict_CheckExact(index) || !PyList_CheckExact(keys))
+        Py_RETURN_NONE;
+    PyObject *found = PyList_New(0);
+    if (found == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_CheckExact(key)) {
+            Py_DECREF(found);
+            Py_RETURN_NONE;
+        }
+        PyObject *block_id = PyDict_GetItemWithError(index, key);  /* borrowed */
+        if (block_id == NULL) {
+            if (PyErr_Occurred()) {
+                Py_DECREF(found);
+                return NULL;
+            }
+            break;
+        }
+        if (PyList_Append(found, block_id) < 0) {
+            Py_DECREF(found);
+            return NULL;
+        }
+    }
+    return found;
+}
+
+/* pin_run(block_ids, start, held, state, refs, hashes, next_victim, count_access, hits):
+   _pin_sealed's loop for the blocks that need no policy call of their own: a counted hit on a
+   CACHED block other than next_victim (its key appended to `hits`, it becomes SEALED), and an
+   uncounted pin of a SEALED block. One pin more for each, in refs and in held. */
+static PyObject *pool_pin_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("pin_run", nargs, 9) < 0)
+        return NULL;
+    PyObject *block_ids = args[0], *held = args[2], *state = args[3], *refs = args[4],
+             *hashes = args[5], *hits = args[8];
+    PyObject *lists[] = {refs, hashes};
+    if (!PyList_CheckExact(block_ids))
+        return Py_BuildValue("(nn)", (Py_ssize_t)0, (Py_ssize_t)0);
+    Py_ssize_t count = PyList_GET_SIZE(block_ids), position = start_of(args[1], count);
+    if (position < 0)
+        return NULL;
+    Py_ssize_t next_victim = PyLong_AsSsize_t(args[6]);
+    if (next_victim == -1 && PyErr_Occurred())
+        return NULL;
+    int count_access = PyObject_IsTrue(args[7]);
+    if (count_access < 0)
+        return NULL;
+    Py_ssize_t num_uncached = 0;
+    if (!PyDict_CheckExact(held) || !PyList_CheckExact(hits) || !tables_fit(state, lists, 2, NULL, 0))
+        return Py_BuildValue("(nn)", position, num_uncached);
+    Py_ssize_t num_blocks = PyByteArray_GET_SIZE(state);
+    char *states = PyByteArray_AS_STRING(state);
+    for (; position < count; position++) {
+        PyObject *item = PyList_GET_ITEM(block_ids, position);
+        Py_ssize_t block_id = block_index(item, num_blocks);
+        if (block_id < 0)
+            break;
+        int is_hit = states[block_id] == CACHED && block_id != next_victim && count_access;
+        if (!is_hit && !(states[block_id] == SEALED && !count_access))
+            break;
+        long refs_now = ref_count(refs, block_id), pins = pins_of(held, item);
+        if (pins == -1)
+            return NULL;
+        if (refs_now < 0 || pins < 0)
+            break;
+        if (is_hit) {
+            if (PyList_Append(hits, PyList_GET_ITEM(hashes, block_id)) < 0)
+                return NULL;
+            states[block_id] = SEALED;
+            num_uncached++;
+        }
+        if (set_ref_count(refs, block_id, refs_now + 1) < 0 || add_pins(held, item, pins, 1) < 0)
+            return NULL;
+    }
+    return Py_BuildValue("(nn)", position, num_uncached);
+}
+
+/* unpin_run(block_ids, start, held, state, refs, hashes, tiers, is_orphan, is_duplicate,
+             cached_keys, cached_tiers):
+   _unpin's loop for SEALED blocks: one pin fewer in held and refs; a block whose last pin this
+   was becomes CACHED, its key and tier appended for the policy. Stops at an OWNED block, at the
+   last pin of a duplicate or an orphan (each is freed), and at anything unexpected. */
+static PyObject *pool_unpin_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("unpin_run", nargs, 11) < 0)
+        return NULL;
+    PyObject *block_ids = args[0], *held = args[2], *state = args[3], *refs = args[4],
+             *hashes = args[5], *tiers = args[6], *is_orphan = args[7], *is_duplicate = args[8],
+             *cached_keys = args[9], *cached_tiers = args[10];
+    PyObject *lists[] = {refs, hashes}, *bytearrays[] = {tiers, is_orphan, is_duplicate};
+    if (!PyList_CheckExact(block_ids))
+        return Py_BuildValue("(nn)", (Py_ssize_t)0, (Py_ssize_t)0);
+    Py_ssize_t count = PyList_GET_SIZE(block_ids), position = start_of(args[1], count);
+    if (position < 0)
+        return NULL;
+    Py_ssize_t num_last_pins = 0;
+    if (!PyDict_CheckExact(held) || !PyList_CheckExact(cached_keys)
+            || !PyList_CheckExact(cached_tiers) || !tables_fit(state, lists, 2, bytearrays, 3))
+        return Py_BuildValue("(nn)", position, num_last_pins);
+    Py_ssize_t num_blocks = PyByteArray_GET_SIZE(state);
+    char *states = PyByteArray_AS_STRING(state);
+    const unsigned char *tier = (const unsigned char *)PyByteArray_AS_STRING(tiers);
+    const char *orphan = PyByteArray_AS_STRING(is_orphan);
+    const char *duplicate = PyByteArray_AS_STRING(is_duplicate);
+    for (; position < count; position++) {
+        PyObject *item = PyList_GET_ITEM(block_ids, position);
+        Py_ssize_t block_id = block_index(item, num_blocks);
+        if (block_id < 0 || states[block_id] != SEALED)
+            break;
+        long refs_now = ref_count(refs, block_id), pins = pins_of(held, item);
+        if (pins == -1)
+            return NULL;
+        if (refs_now < 1 || pins < 1 || (refs_now == 1 && (duplicate[block_id] || orphan[block_id])))
+            break;
+        if (add_pins(held, item, pins, -1) < 0 || set_ref_count(refs, block_id, refs_now - 1) < 0)
+            return NULL;
+        if (refs_now > 1)
+            continue;
+        PyObject *block_tier = PyLong_FromLong(tier[block_id]);
+        if (block_tier == NULL)
+            return NULL;
+        int status = PyList_Append(cached_tiers, block_tier);
+        Py_DECREF(block_tier);
+        if (status < 0 || PyList_Append(cached_keys, PyList_GET_ITEM(hashes, block_id)) < 0)
+            return NULL;
+        states[block_id] = CACHED;
+        num_last_pins++;
+    }
+    return Py_BuildValue("(nn)", position, num_last_pins);
+}
+
+/* first_unsealable(block_ids, keys, held, state): the position of the first block seal's
+   validation must look at itself -- not an exact int in the pool, not in held, not OWNED, a key
+   that is not bytes, or one of more ids than keys -- or len(block_ids) when there is none. */
+static PyObject *pool_first_unsealable(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("first_unsealable", nargs, 4) < 0)
+        return NULL;
+    PyObject *block_ids = args[0], *keys = args[1], *held = args[2], *state = args[3];
+    Py_ssize_t position = 0;
+    if (!PyList_CheckExact(block_ids) || !PyList_CheckExact(keys) || !PyDict_CheckExact(held)
+            || !tables_fit(state, NULL, 0, NULL, 0))
+        return PyLong_FromSsize_t(position);
+    Py_ssize_t count = PyList_GET_SIZE(block_ids), num_blocks = PyByteArray_GET_SIZE(state);
+    const char *states = PyByteArray_AS_STRING(state);
+    for (; position < count; position++) {
+        PyObject *item = PyList_GET_ITEM(block_ids, position);
+        Py_ssize_t block_id = block_index(item, num_blocks);
+        if (block_id < 0 || states[block_id] != OWNED || position >= PyList_GET_SIZE(keys)
+                || !PyBytes_CheckExact(PyList_GET_ITEM(keys, position)))
+            break;
+        int is_held = PyDict_Contains(held, item);
+        if (is_held < 0)
+            return NULL;
+        if (!is_held)
+            break;
+    }
+    return PyLong_FromSsize_t(position);
+}
+
+/* seal_run(block_ids, keys, start, tiers, parents, state, hashes, tier_of, is_duplicate, index,
+            indexed):
+   seal's publishing loop over validated blocks: each becomes SEALED under its key (and its tier
+   when `tiers` is a list), indexed if the key is new, else marked a duplicate; True or False
+   appended to `indexed`. Stops before a new key with a parent (linking it into the prefix tree
+   is kvd/pool.py's) and at anything unexpected. */
+static PyObject *pool_seal_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("seal_run", nargs, 11) < 0)
+        return NULL;
+    PyObject *block_ids = args[0], *keys = args[1], *tiers = args[3], *parents = args[4],
+             *state = args[5], *hashes = args[6], *tier_of = args[7], *is_duplicate = args[8],
+             *index = args[9], *indexed = args[10];
+    PyObject *bytearrays[] = {tier_of, is_duplicate};
+    if (!PyList_CheckExact(block_ids))
+        return PyLong_FromSsize_t(0);
+    Py_ssize_t count = PyList_GET_SIZE(block_ids), position = start_of(args[2], count);
+    if (position < 0)
+        return NULL;
+    if (!PyList_CheckExact(keys) || PyList_GET_SIZE(keys) != count
+            || (tiers != Py_None && (!PyList_CheckExact(tiers) || PyList_GET_SIZE(tiers) != count))
+            || (parents != Py_None
+                && (!PyList_CheckExact(parents) || PyList_GET_SIZE(parents) != count))
+            || !PyDict_CheckExact(index) || !PyList_CheckExact(indexed)
+            || !tables_fit(state, &hashes, 1, bytearrays, 2))
+        return PyLong_FromSsize_t(position);
+    Py_ssize_t num_blocks = PyByteArray_GET_SIZE(state);
+    char *states = PyByteArray_AS_STRING(state), *tier_bytes = PyByteArray_AS_STRING(tier_of);
+    char *duplicate = PyByteArray_AS_STRING(is_duplicate);
+    for (; position < count; position++) {
+        PyObject *item = PyList_GET_ITEM(block_ids, position), *key = PyList_GET_ITEM(keys, position);
+        Py_ssize_t block_id = block_index(item, num_blocks);
+        if (block_id < 0 || !PyBytes_CheckExact(key))
+            break;
+        long tier = 0;
+        if (tiers != Py_None) {
+            PyObject *value = PyList_GET_ITEM(tiers, position);
+            tier = PyLong_CheckExact(value) ? PyLong_AsLong(value) : -1;
+            if (tier < 0 || tier > 255) {
+                PyErr_Clear();
+                break;
+            }
+        }
+        int is_new = !PyDict_Contains(index, key);  /* (bytes: cannot fail) */
+        if (is_new && parents != Py_None && PyList_GET_ITEM(parents, position) != Py_None)
+            break;
+        states[block_id] = SEALED;
+        Py_INCREF(key);
+        PyList_SetItem(hashes, block_id, key);
+        if (tiers != Py_None)
+            tier_bytes[block_id] = (char)tier;
+        if (is_new) {
+            if (PyDict_SetItem(index, key, item) < 0)
+                return NULL;
+        } else {
+            duplicate[block_id] = 1;
+        }
+        if (PyList_Append(indexed, is_new ? Py_True : Py_False) < 0)
+            return NULL;
+    }
+    return PyLong_FromSsize_t(position);
+}
+
+static PyMethodDef pool_methods[] = {
+    {"own", (PyCFunction)(void (*)(void))pool_own, METH_FASTCALL,
+     "own(block_ids, held, state, refs) -> bool: each FREE block OWNED, one pin in held and refs;"
+     " False, with nothing changed, unless every id is an int naming a FREE block"},
+    {"prefix", (PyCFunction)(void (*)(void))pool_prefix, METH_FASTCALL,
+     "prefix(index, keys) -> list | None: index[key] for the longest prefix of keys in index; "
+     "None unless keys is a list of bytes"},
+    {"pin_run", (PyCFunction)(void (*)(void))pool_pin_run, METH_FASTCALL,
+     "pin_run(block_ids, start, held, state, refs, hashes, next_victim, count_access, hits) -> "
+     "(stop, num_uncached): BlockPool._pin_sealed's common blocks"},
+    {"unpin_run", (PyCFunction)(void (*)(void))pool_unpin_run, METH_FASTCALL,
+     "unpin_run(block_ids, start, held, state, refs, hashes, tiers, is_orphan, is_duplicate, "
+     "cached_keys, cached_tiers) -> (stop, num_last_pins): BlockPool._unpin's common blocks"},
+    {"first_unsealable", (PyCFunction)(void (*)(void))pool_first_unsealable, METH_FASTCALL,
+     "first_unsealable(block_ids, keys, held, state) -> int: the first block seal must check "
+     "itself"},
+    {"seal_run", (PyCFunction)(void (*)(void))pool_seal_run, METH_FASTCALL,
+     "seal_run(block_ids, keys, start, tiers, parents, state, hashes, tier_of, is_duplicate, "
+     "index, indexed) -> stop: BlockPool.seal's publishing of blocks without a parent to link"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef pool_module = {
+    PyModuleDef_HEAD_INIT, "kvd._pool",
+    "The block pool's per-block loops in C; see kvd/_pool.c and kvd/pool.py.", -1, pool_methods,
+};
+
+PyMODINIT_FUNC PyInit__pool(void)
+{
+    return PyModule_Create(&pool_module);
+}

@@ -1,0 +1,237 @@
+"""kvd/_pool.c against kvd/pool.py's Python loops, which are its specification.
+
+Two pools -- one with the C loops, one without -- take the same random operations (allocations,
+seals with and without parents and tiers, duplicates, lookups, pins, releases, dead owners, chosen
+victims, and misuse: unknown ids, ids named twice, bools, foreign owners, keys that are not bytes)
+and must answer alike (results and error messages) and end every step with equal tables, equal
+policy state and equal invariants. A counting wrapper around the module checks that its fast
+paths really did the work, so the comparison cannot pass by the C side declining everything.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from kvd import pool as pool_module
+from kvd.errors import KvdError
+from kvd.policies import EvictionPolicy, make_policy
+from kvd.pool import BlockPool
+
+loops = pool_module._built_loops  # (tests call it directly: KVD_PURE_PYTHON only turns its use off)
+
+
+def test_the_module_is_built_where_ci_needs_it() -> None:
+    """.ci/run sets KVD_REQUIRE_C=1: an install that silently fell back to Python fails there."""
+    if loops is None and os.environ.get("KVD_REQUIRE_C") != "1":
+        pytest.skip("kvd/_pool.c is not built here and KVD_REQUIRE_C is not set")
+    assert loops is not None, "KVD_REQUIRE_C=1 but kvd/_pool.c was not built (see pip's output)"
+    if os.environ.get("KVD_PURE_PYTHON") != "1":
+        assert BlockPool(4)._loops is loops
+
+
+needs_c = pytest.mark.skipif(loops is None, reason="kvd/_pool.c is not built")
+
+
+class CountingLoops:
+    """kvd._pool, counting the blocks each function handled (a run's stop minus its start)."""
+
+    def __init__(self) -> None:
+        self.handled: Counter[str] = Counter()
+
+    def own(self, block_ids: list[int], *tables: Any) -> bool:
+        done = loops.own(block_ids, *tables)
+        self.handled["own"] += len(block_ids) if done else 0
+        return done
+
+    def prefix(self, index: dict, keys: list) -> list[int] | None:
+        found = loops.prefix(index, keys)
+        self.handled["prefix"] += len(found) if found is not None else 0
+        return found
+
+    def first_unsealable(self, block_ids: list[int], *tables: Any) -> int:
+        position = loops.first_unsealable(block_ids, *tables)
+        self.handled["first_unsealable"] += position
+        return position
+
+    def seal_run(self, block_ids: list[int], keys: list, start: int, *tables: Any) -> int:
+        position = loops.seal_run(block_ids, keys, start, *tables)
+        self.handled["seal_run"] += position - start
+        return position
+
+    def pin_run(self, block_ids: list[int], start: int, *tables: Any) -> tuple[int, int]:
+        position, num_hits = loops.pin_run(block_ids, start, *tables)
+        self.handled["pin_run"] += position - start
+        return position, num_hits
+
+    def unpin_run(self, block_ids: list[int], start: int, *tables: Any) -> tuple[int, int]:
+        position, num_cached = loops.unpin_run(block_ids, start, *tables)
+        self.handled["unpin_run"] += position - start
+        return position, num_cached
+
+
+def policy_state(policy: EvictionPolicy) -> dict[str, Any]:
+    """A policy's attributes as plain values: queues as item lists (their order matters), a
+    tiered policy's tiers as their own states."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, EvictionPolicy):
+            return policy_state(value)
+        if isinstance(value, tuple | list):
+            return [plain(item) for item in value]
+        return list(value.items()) if isinstance(value, dict) else value
+    return {name: plain(value) for name, value in vars(policy).items() if not callable(value)}
+
+
+def snapshot(pool: BlockPool) -> dict[str, Any]:
+    """Everything the pool and its policy hold, as plain values (queue orders included)."""
+    return {
+        "state": bytes(pool._state), "refs": list(pool._refs), "hashes": list(pool._hashes),
+        "free": list(pool._free), "index": list(pool._index.items()),
+        # (as sets: the order of an owner's pins means nothing, and the C loops update a pin
+        # count in place where Python pops and re-inserts it)
+        "held": {owner: sorted(held.items()) for owner, held in pool._held.items()},
+        "tier": bytes(pool._tier), "orphan": bytes(pool._is_orphan),
+        "duplicate": bytes(pool._is_duplicate), "parent": list(pool._parent),
+        "first_child": list(pool._first_child), "next_sibling": list(pool._next_sibling),
+        "prev_sibling": list(pool._prev_sibling), "generations": pool.generations.tolist(),
+        "counts": (pool.num_owned, pool.num_sealed, pool.num_cached, pool._next_victim),
+        "counters": dict(pool.counters), "policy": policy_state(pool.policy),
+    }
+
+
+def outcome(call: Any) -> Any:
+    try:
+        return ("ok", call())
+    except KvdError as exc:
+        return (type(exc).__name__, str(exc))
+
+
+class Driver:
+    """Random operations on a pool of `num_blocks`, drawn from one seeded generator."""
+
+    def __init__(self, rng: random.Random, num_blocks: int, num_keys: int) -> None:
+        self.rng, self.num_blocks = rng, num_blocks
+        self.keys: list[Any] = [b"key-%d" % i for i in range(num_keys)]
+        self.keys += [("tuple-key", i) for i in range(3)]  # the embedded API allows any hashable
+
+    def some_ids(self, pool: BlockPool, owner: int) -> list[Any]:
+        rng = self.rng
+        held = list(pool._held.get(owner, {}))
+        ids = rng.sample(held, rng.randint(0, len(held))) if held else []
+        if ids and rng.random() < 0.1:
+            ids.append(rng.choice(ids))  # named twice
+        if rng.random() < 0.05:
+            ids.insert(rng.randint(0, len(ids)),
+                       rng.choice([self.num_blocks, -1, True, 2**70, "3", rng.randrange(self.num_blocks)]))
+        return ids
+
+    def operation(self, pool: BlockPool) -> tuple[str, tuple]:
+        """An operation and its arguments, drawn against `pool`'s current holdings (the twins'
+        are equal, so either may be asked)."""
+        rng = self.rng
+        owner = rng.randrange(3)
+        kind = rng.choices(["allocate", "seal", "release", "lookup", "pin", "release_owner",
+                            "choose_next_victim"], weights=[6, 6, 6, 5, 2, 1, 1])[0]
+        if kind == "allocate":
+            return kind, (rng.choice([0, 1, 2, 5, 16, 40]), owner)
+        if kind == "seal":
+            ids = self.some_ids(pool, owner)
+            start = rng.randrange(len(self.keys))
+            chain = rng.random() < 0.5  # consecutive keys: a chain, earlier blocks the parents
+            keys = [self.keys[(start + i) % len(self.keys)] if chain else rng.choice(self.keys)
+                    for i in range(len(ids))]
+            parents = None
+            if rng.random() < 0.5:
+                parents = [rng.choice(self.keys) if rng.random() < 0.2 else
+                           (keys[i - 1] if i else None) for i in range(len(ids))]
+            tiers = [rng.randrange(2) for _ in ids] if rng.random() < 0.3 else None
+            return kind, (ids, keys, owner, parents, tiers)
+        if kind in ("release", "pin"):
+            ids = self.some_ids(pool, owner)
+            if kind == "pin" and rng.random() < 0.5:  # share someone else's sealed blocks
+                ids = [b for b in range(self.num_blocks) if pool._state[b] >= 2]
+                ids = rng.sample(ids, min(len(ids), rng.randint(0, 8)))
+            return kind, (ids, owner)
+        if kind == "lookup":
+            start = rng.randrange(len(self.keys))
+            return kind, ([self.keys[(start + i) % len(self.keys)]
+                           for i in range(rng.randint(0, 12))], owner)
+        if kind == "release_owner":
+            return kind, (owner,)
+        return kind, ()
+
+
+def run_twins(policy: str, seed: int, num_ops: int, num_blocks: int = 48) -> CountingLoops:
+    """`policy`: a registered name, or "tiered" (prefill and decode tiers, kvd's policy in each)."""
+    rng = random.Random(seed)
+    tiers = "prefill=0.6,decode=0.4" if policy == "tiered" else None
+    fast, pure = (BlockPool(num_blocks, make_policy("kvd" if tiers else policy, num_blocks, tiers))
+                  for _ in range(2))
+    counting = CountingLoops()
+    fast._loops, pure._loops = counting, None
+    driver = Driver(rng, num_blocks, num_keys=num_blocks + num_blocks // 2)
+    for step in range(num_ops):
+        kind, args = driver.operation(pure)
+        results = [outcome(lambda pool=pool: getattr(pool, kind)(*args)) for pool in (fast, pure)]
+        context = f"{policy} seed {seed} step {step}: {kind}{args}"
+        assert results[0] == results[1], context
+        assert snapshot(fast) == snapshot(pure), context
+        fast.check_invariants()
+    return counting
+
+
+@needs_c
+@pytest.mark.parametrize("policy", ["kvd", "s3fifo", "lru", "arc", "lfu", "sieve", "tiered"])
+def test_the_c_loops_change_nothing_a_policy_or_the_pool_can_see(policy: str) -> None:
+    handled: Counter[str] = Counter()
+    for seed in range(6):
+        handled += run_twins(policy, seed, num_ops=400).handled
+    for function in ("own", "prefix", "first_unsealable", "seal_run", "pin_run", "unpin_run"):
+        assert handled[function] > 100, (function, handled)  # the C side did real work
+
+
+@needs_c
+def test_a_run_stops_before_a_block_it_must_leave_to_python() -> None:
+    """The stop is the first such block, and nothing of it has changed."""
+    pool = BlockPool(8, "lru")
+    ids = pool.allocate(4, owner=1)
+    pool.seal(ids[:2], [b"a", b"b"], owner=1)
+    held, before = pool._held[1], snapshot(pool)
+    order = [ids[1], ids[0], ids[2]]  # two sealed, then an OWNED block (freed: Python's)
+    cached_keys: list = []
+    position, num_cached = loops.unpin_run(order, 0, held, pool._state, pool._refs, pool._hashes,
+                                           pool._tier, pool._is_orphan, pool._is_duplicate,
+                                           cached_keys, [])
+    assert (position, num_cached, cached_keys) == (2, 2, [b"b", b"a"])
+    assert pool._state[ids[2]] == 1 and held[ids[2]] == 1 and before["held"][1][2:] == [(ids[2], 1), (ids[3], 1)]
+    for bad in ([ids[0], 8], [ids[0], -1], [ids[0], True], [ids[0], 2**70], [ids[0], 1.0]):
+        assert loops.first_unsealable(bad, [b"x", b"y"], held, pool._state) in (0, 1)
+    assert loops.own([pool._free[-1], 8], {}, pool._state, pool._refs) is False
+    assert loops.prefix({b"a": 0}, (b"a",)) is None  # only lists
+    with pytest.raises(ValueError, match="start"):
+        loops.pin_run([1], 2, {}, pool._state, pool._refs, pool._hashes, -1, True, [])
+    with pytest.raises(TypeError, match="takes 4 arguments"):
+        loops.own([])
+
+
+@needs_c
+def test_tables_of_the_wrong_shape_stop_every_run_at_its_start() -> None:
+    pool = BlockPool(8, "lru")
+    ids = pool.allocate(2, owner=1)
+    short = bytearray(4)
+    held = pool._held[1]
+    assert loops.own([pool._free[-1]], {}, short, pool._refs) is False
+    assert loops.first_unsealable(ids, [b"a", b"b"], held, bytes(pool._state)) == 0
+    assert loops.seal_run(ids, [b"a", b"b"], 0, None, None, pool._state, pool._hashes[:4],
+                          pool._tier, pool._is_duplicate, pool._index, []) == 0
+    assert loops.seal_run(ids, [b"a"], 0, None, None, pool._state, pool._hashes, pool._tier,
+                          pool._is_duplicate, pool._index, []) == 0
+    assert loops.pin_run(ids, 0, held, pool._state, tuple(pool._refs), pool._hashes, -1, False,
+                         []) == (0, 0)
+    assert loops.unpin_run(ids, 0, held, pool._state, pool._refs, pool._hashes, short,
+                           pool._is_orphan, pool._is_duplicate, [], []) == (0, 0)
+    assert pool.state(ids[0]) == "owned" and not pool._index

@@ -3,8 +3,9 @@
 Separate runs of bench/pool.py on a shared VM drift by more than a pool change is worth (the same
 code read 561k and 829k block-lookups/s in consecutive runs), so this bench loads kvd/pool.py,
 kvd/errors.py and kvd/policies/ as they were at `--base` (`git show`) as a package of their own
-next to the working tree's, and drives both pools with the same workload in alternating chunks;
-only their ratio is reported.
+next to the working tree's (with this build's C loops, kvd/_pool.c and kvd/policies/_s3fifo.c,
+where the base has the same C source; a base without them runs Python), and drives both pools
+with the same workload in alternating chunks; only their ratio is reported.
 
 Each round at batch B, on a pool large enough that nothing is evicted (bench/pool.py measures
 full pools): allocate B → seal under B fresh 16-byte keys → release (CACHED) → lookup (pinned
@@ -17,6 +18,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,17 +52,42 @@ def pool_module_at(revision: str, directory: str) -> ModuleType:
     (package / "policies").mkdir(parents=True)
     (package / "__init__.py").write_text("")
     paths = ["kvd/pool.py", "kvd/errors.py"] + git("ls-tree", "--name-only", revision,
-                                                    "kvd/policies/").split()
+                                                    "kvd/_pool.c", "kvd/policies/").split()
+    # Imports of the copied modules go to the base package, any other to kvd itself.
+    copied = {path.removesuffix(".py").removesuffix(".c").replace("/", ".") for path in paths}
+    copied |= {"kvd.policies"}
+
+    def rebase(match: re.Match) -> str:  # from (package) import (name)
+        if match[1] in copied or f"{match[1]}.{match[2]}" in copied:
+            return match[0].replace("kvd", BASE_PACKAGE, 1)
+        return match[0]
+
     for path in paths:
         source = git("show", f"{revision}:{path}")
-        source = source.replace("from kvd.", f"from {BASE_PACKAGE}.").replace(
-            "from kvd import", f"from {BASE_PACKAGE} import")
+        if path.endswith(".c"):
+            copy_extension(revision, path, source, package)
+            continue
+        source = re.sub(r"from (kvd(?:\.[\w.]+)?) import (\w+)?", rebase, source)
         (package / Path(path).relative_to("kvd")).write_text(source)
     sys.path.insert(0, directory)
     try:
         return importlib.import_module(f"{BASE_PACKAGE}.pool")
     finally:
         sys.path.remove(directory)
+
+
+def copy_extension(revision: str, path: str, source: str, package: Path) -> None:
+    """The base's C loops are this build's when their source is the same: the built module is
+    copied into the base package (its init function's name is all an import needs). A base
+    whose C differs is refused: this bench does not compile."""
+    name = path.removesuffix(".c").replace("/", ".")
+    if source != (ROOT / path).read_text():
+        raise SystemExit(f"{path} at {revision} differs from the working tree's: pool_ab cannot "
+                         "build it; compare against a revision with the same C source")
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise SystemExit(f"{name} is not built here: `pip install -e .` first")
+    shutil.copy(spec.origin, package / Path(spec.origin).relative_to(ROOT / "kvd"))
 
 
 def run(base: str, policy: str, batch: int, num_chunks: int) -> dict[str, dict[str, float]]:

@@ -94,7 +94,15 @@ class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
         # accessed() then removed() per key: an M key's move to the end would be undone by its
         # removal at once, so only S keys have a reward to keep (their counter).
         small, main, pinned = self._small, self._main, self._pinned
-        for key in keys:
+        loops, position, end = self._loops, 0, len(keys)
+        while position < end:
+            if loops is not None:  # (M's counters are not counted here)
+                position = loops.hit_run(keys, position, small, main, pinned, IN_MAIN,
+                                         MAX_FREQUENCY, False)
+                if position == end:
+                    break
+            key = keys[position]
+            position += 1
             count = small.pop(key, None)
             if count is None:
                 pinned[key] = main.pop(key) | IN_MAIN
@@ -106,6 +114,9 @@ class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
         self._num_small_evictions += 1
         self._ghost[key] = self._num_small_evictions  # same position: assignment keeps order
         return key
+
+    def _ghosts(self) -> tuple[OrderedDict, ...]:
+        return (self._ghost, self._main_ghost)
 
     def _is_ghost_hit(self, key: Hashable) -> bool:
         evicted_as = self._ghost.get(key)

@@ -23,14 +23,27 @@ Adapting to the pool's events (kvd/policies/base.py): a pinned key leaves its qu
 counter and its queue; when it becomes evictable again it is appended to that queue's new end
 (the pin was a use; FIFO position cannot be restored in O(1)). A key promoted from S starts M with
 its counter cleared: its S hit paid for the promotion.
+
+The batch events (`inserted_many`, `hit_evictable_many`) run in kvd/policies/_s3fifo.c for the
+keys without a rule of their own (no ghost hit), interleaved with the Python loop here, which is
+their specification and their fallback (KVD_PURE_PYTHON=1, or a build without the module).
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
 from kvd.policies.base import TIER_PREFILL, EvictionPolicy
+
+try:
+    from kvd.policies import _s3fifo as _built_loops
+except ImportError:  # not built (it is optional): the Python loops do everything
+    _built_loops = None
+# Each policy's `_loops` (tests give a twin None). (The variable is kvd.protocol.PURE_PYTHON_ENV;
+# not imported from there: the policies depend on nothing else in kvd.)
+_loops = None if os.environ.get("KVD_PURE_PYTHON") == "1" else _built_loops
 
 SMALL_SHARE = 0.1  # the paper's default share of S; its sensitivity study finds 5-20% flat
 MAX_FREQUENCY = 3  # two bits, as in the paper
@@ -54,6 +67,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._main: OrderedDict[Hashable, int] = OrderedDict()
         self._pinned: dict[Hashable, int] = {}  # cached, not evictable
         self._ghost: OrderedDict[Hashable, None] = OrderedDict()
+        self._loops = _loops
 
     def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
         # A key pinned while cached goes back to its queue with its counter, a new one to M if
@@ -68,7 +82,15 @@ class S3FIFOPolicy(EvictionPolicy):
         # inserted() as one loop over locals, for the pool's releases (routing single inserts
         # through here instead measured slower per policy event, bench/policies.py).
         pinned, is_ghost_hit, main, small = self._pinned, self._is_ghost_hit, self._main, self._small
-        for key in keys:
+        loops, position, end = self._loops, 0, len(keys)
+        while position < end:
+            if loops is not None:  # every key up to a ghost hit
+                position = loops.insert_run(keys, position, pinned, small, main, self._ghosts(),
+                                            IN_MAIN)
+                if position == end:
+                    break
+            key = keys[position]
+            position += 1
             packed = pinned.pop(key, None)
             if packed is None:
                 (main if is_ghost_hit(key) else small)[key] = 0
@@ -82,6 +104,10 @@ class S3FIFOPolicy(EvictionPolicy):
         if self._small or self._main or self._pinned:
             raise ValueError("restored() needs a policy that tracks nothing yet")
         self._small = OrderedDict.fromkeys(keys, 0)
+
+    def _ghosts(self) -> tuple[OrderedDict, ...]:
+        """The ghosts whose keys `_is_ghost_hit` must see (the C loop stops at them)."""
+        return (self._ghost,)
 
     def _is_ghost_hit(self, key: Hashable) -> bool:
         """A newly cached key: whether it left S unhit recently (then it goes to M)."""
@@ -111,7 +137,15 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def hit_evictable_many(self, keys: Sequence[Hashable]) -> None:
         small, main, pinned = self._small, self._main, self._pinned
-        for key in keys:
+        loops, position, end = self._loops, 0, len(keys)
+        while position < end:
+            if loops is not None:
+                position = loops.hit_run(keys, position, small, main, pinned, IN_MAIN,
+                                         MAX_FREQUENCY, True)
+                if position == end:
+                    break
+            key = keys[position]
+            position += 1
             count = small.pop(key, None)
             packed = IN_MAIN
             if count is None:

@@ -1,0 +1,191 @@
+/* kvd.policies._s3fifo: the batch events of S3-FIFO and kvd's policy in C, every uncommon key left
+to kvd/policies/s3fifo.py and adaptive.py.
+
+Theory of operation
+-------------------
+Once the pool's loops were in C (kvd/_pool.c), a batch-256 release was mostly S3-FIFO's
+`inserted_many` and a lookup its `hit_evictable_many`: per key a dict pop and an OrderedDict
+store, each a method call in Python. These functions do the same operations on the policy's own
+queues, which the policy passes in on each call, for the keys that make up the traffic:
+
+    insert_run(keys, start, pinned, small, main, ghosts, in_main) -> stop
+        a key coming back from `pinned` to its queue (S, or M when its packed value has in_main
+        set) with its counter, and a new key that no ghost holds to S unhit;
+    hit_run(keys, start, small, main, pinned, in_main, max_frequency, count_main_hits) -> stop
+        an evictable key leaving S or M for `pinned`, packed with its counter (plus one, up to
+        max_frequency; in M only if count_main_hits) and in_main when it came from M.
+
+Each stops *before* the first key it does not handle -- a ghost hit (its admission and
+adaptation rules are the policy's), a key in neither queue (the Python raises KeyError), a key
+that is not exact bytes (hashing it could run Python code), a value that is not a small int --
+and returns that position; the policy's Python loop does that key and calls again, so the two
+interleave into the pure loop's result key for key (tests/policies/test_s3fifo_c.py compares
+twin policies). OrderedDicts are changed only through PyODict_SetItem and PyODict_DelItem, which
+keep their order lists; assigning to a key an OrderedDict holds keeps its position, as in Python.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t expected)
+{
+    if (nargs == expected)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, expected, nargs);
+    return -1;
+}
+
+static Py_ssize_t start_of(PyObject *arg, Py_ssize_t length)
+{
+    Py_ssize_t start = PyLong_AsSsize_t(arg);
+    if (start == -1 && PyErr_Occurred())
+        return -1;
+    if (start < 0 || start > length) {
+        PyErr_SetString(PyExc_ValueError, "start is outside keys");
+        return -1;
+    }
+    return start;
+}
+
+/* A queue value or packed pin: a small non-negative exact int, else -1. */
+static long small_int(PyObject *value)
+{
+    if (!PyLong_CheckExact(value))
+        return -1;
+    long number = PyLong_AsLong(value);
+    if (number == -1 && PyErr_Occurred())
+        PyErr_Clear();
+    return number;
+}
+
+/* queue[key] = number (an OrderedDict: its order kept). */
+static int store(PyObject *queue, PyObject *key, long number)
+{
+    PyObject *value = PyLong_FromLong(number);
+    if (value == NULL)
+        return -1;
+    int status = PyODict_SetItem(queue, key, value);
+    Py_DECREF(value);
+    return status;
+}
+
+static PyObject *s3fifo_insert_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("insert_run", nargs, 7) < 0)
+        return NULL;
+    PyObject *keys = args[0], *pinned = args[2], *small = args[3], *main = args[4],
+             *ghosts = args[5];
+    if (!PyList_CheckExact(keys))
+        return PyLong_FromSsize_t(0);
+    Py_ssize_t count = PyList_GET_SIZE(keys), position = start_of(args[1], count);
+    if (position < 0)
+        return NULL;
+    long in_main = PyLong_AsLong(args[6]);
+    if (in_main == -1 && PyErr_Occurred())
+        return NULL;
+    if (!PyDict_CheckExact(pinned) || !PyODict_CheckExact(small) || !PyODict_CheckExact(main)
+            || !PyTuple_CheckExact(ghosts))
+        return PyLong_FromSsize_t(position);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ghosts); i++)
+        if (!PyDict_Check(PyTuple_GET_ITEM(ghosts, i)))
+            return PyLong_FromSsize_t(position);
+    for (; position < count; position++) {
+        PyObject *key = PyList_GET_ITEM(keys, position);
+        if (!PyBytes_CheckExact(key))
+            break;
+        PyObject *packed_value = PyDict_GetItemWithError(pinned, key);  /* borrowed */
+        if (packed_value == NULL) {
+            if (PyErr_Occurred())
+                return NULL;
+            int is_ghost = 0;
+            for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ghosts) && !is_ghost; i++)
+                is_ghost = PyDict_Contains(PyTuple_GET_ITEM(ghosts, i), key);
+            if (is_ghost < 0)
+                return NULL;
+            if (is_ghost)
+                break;  /* admitted to M, and kvd's policy adapts: the policy's own code */
+            if (store(small, key, 0) < 0)
+                return NULL;
+            continue;
+        }
+        long packed = small_int(packed_value);
+        if (packed < 0)
+            break;
+        if (PyDict_DelItem(pinned, key) < 0)
+            return NULL;
+        if (packed & in_main ? store(main, key, packed ^ in_main) : store(small, key, packed))
+            return NULL;
+    }
+    return PyLong_FromSsize_t(position);
+}
+
+static PyObject *s3fifo_hit_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("hit_run", nargs, 8) < 0)
+        return NULL;
+    PyObject *keys = args[0], *small = args[2], *main = args[3], *pinned = args[4];
+    if (!PyList_CheckExact(keys))
+        return PyLong_FromSsize_t(0);
+    Py_ssize_t count = PyList_GET_SIZE(keys), position = start_of(args[1], count);
+    if (position < 0)
+        return NULL;
+    long in_main = PyLong_AsLong(args[5]), max_frequency = PyLong_AsLong(args[6]);
+    int count_main_hits = PyObject_IsTrue(args[7]);
+    if (PyErr_Occurred() || count_main_hits < 0)
+        return NULL;
+    if (!PyDict_CheckExact(pinned) || !PyODict_CheckExact(small) || !PyODict_CheckExact(main))
+        return PyLong_FromSsize_t(position);
+    for (; position < count; position++) {
+        PyObject *key = PyList_GET_ITEM(keys, position);
+        if (!PyBytes_CheckExact(key))
+            break;
+        PyObject *queue = small, *value = PyDict_GetItemWithError(small, key);  /* borrowed */
+        if (value == NULL) {
+            queue = main;
+            value = PyErr_Occurred() ? NULL : PyDict_GetItemWithError(main, key);
+            if (value == NULL) {
+                if (PyErr_Occurred())
+                    return NULL;
+                break;  /* in neither queue: a bug the Python names (KeyError) */
+            }
+        }
+        long counter = small_int(value);
+        if (counter < 0)
+            break;
+        long packed = counter;
+        if (queue == small || count_main_hits)
+            packed = counter < max_frequency ? counter + 1 : counter;
+        if (queue == main)
+            packed |= in_main;
+        if (PyODict_DelItem(queue, key) < 0)
+            return NULL;
+        PyObject *packed_value = PyLong_FromLong(packed);
+        if (packed_value == NULL)
+            return NULL;
+        int status = PyDict_SetItem(pinned, key, packed_value);
+        Py_DECREF(packed_value);
+        if (status < 0)
+            return NULL;
+    }
+    return PyLong_FromSsize_t(position);
+}
+
+static PyMethodDef s3fifo_methods[] = {
+    {"insert_run", (PyCFunction)(void (*)(void))s3fifo_insert_run, METH_FASTCALL,
+     "insert_run(keys, start, pinned, small, main, ghosts, in_main) -> stop: inserted_many's "
+     "keys from start up to the first ghost hit (or anything unexpected)"},
+    {"hit_run", (PyCFunction)(void (*)(void))s3fifo_hit_run, METH_FASTCALL,
+     "hit_run(keys, start, small, main, pinned, in_main, max_frequency, count_main_hits) -> "
+     "stop: hit_evictable_many's keys from start up to anything unexpected"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef s3fifo_module = {
+    PyModuleDef_HEAD_INIT, "kvd.policies._s3fifo",
+    "S3-FIFO's batch events in C; see kvd/policies/_s3fifo.c and kvd/policies/s3fifo.py.", -1,
+    s3fifo_methods,
+};
+
+PyMODINIT_FUNC PyInit__s3fifo(void)
+{
+    return PyModule_Create(&s3fifo_module);
+}

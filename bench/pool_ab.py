@@ -8,10 +8,12 @@ where the base has the same C source; a base without them runs Python), and driv
 with the same workload in alternating chunks; only their ratio is reported.
 
 Each round at batch B, on a pool large enough that nothing is evicted (bench/pool.py measures
-full pools): allocate B → seal under B fresh 16-byte keys → release (CACHED) → lookup (pinned
-again) → release, each call timed.
+full pools): allocate B → seal under B fresh 16-byte keys (with --chains, each block's parent
+the one before it, as the page table seals) → release (CACHED) → lookup (pinned again) →
+release, each call timed. `--base python` compares the working tree's C loops with the Python
+loops they stand in for (the pool's and its policy's `_loops` set to None).
 
-    python -m bench.pool_ab [--base REV] [--policy NAME] [--batch B] [--chunks N]
+    python -m bench.pool_ab [--base REV] [--policy NAME] [--batch B] [--chunks N] [--chains]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ ROUNDS_PER_CHUNK = 10
 
 
 BASE_PACKAGE = "kvd_base"
+PURE = "python"  # --base: the working tree with its C loops off (their specification)
 
 
 def git(*args: str) -> str:
@@ -90,11 +93,23 @@ def copy_extension(revision: str, path: str, source: str, package: Path) -> None
     shutil.copy(spec.origin, package / Path(spec.origin).relative_to(ROOT / "kvd"))
 
 
-def run(base: str, policy: str, batch: int, num_chunks: int) -> dict[str, dict[str, float]]:
-    with tempfile.TemporaryDirectory(prefix="kvd-pool-ab-") as directory:
-        modules = {"base": pool_module_at(base, directory), "working tree": kvd.pool}
+def without_c_loops(pool: kvd.pool.BlockPool) -> kvd.pool.BlockPool:
+    pool._loops = None
+    for policy in [pool.policy, *getattr(pool.policy, "policies", ())]:  # (a tiered one's tiers)
+        if hasattr(policy, "_loops"):
+            policy._loops = None
+    return pool
+
+
+def run(base: str, policy: str, batch: int, num_chunks: int,
+        chains: bool) -> dict[str, dict[str, float]]:
     num_blocks = 1 << max(16, (4 * batch).bit_length())
-    pools = {name: module.BlockPool(num_blocks, policy) for name, module in modules.items()}
+    if base == PURE:
+        pools = {"base": without_c_loops(kvd.pool.BlockPool(num_blocks, policy))}
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvd-pool-ab-") as directory:
+            pools = {"base": pool_module_at(base, directory).BlockPool(num_blocks, policy)}
+    pools["working tree"] = kvd.pool.BlockPool(num_blocks, policy)
     samples = {name: {op: [] for op in OPS} for name in pools}
     clock, key = time.perf_counter_ns, 0
     for chunk in range(num_chunks + 1):  # the first chunk warms up and is dropped
@@ -105,7 +120,8 @@ def run(base: str, policy: str, batch: int, num_chunks: int) -> dict[str, dict[s
                 times = [clock()]
                 block_ids = pool.allocate(batch, OWNER)
                 times.append(clock())
-                pool.seal(block_ids, keys, OWNER)
+                # (as a page table seals a chain: each block's parent is the one before it)
+                pool.seal(block_ids, keys, OWNER, [None, *keys[:-1]] if chains else None)
                 times.append(clock())
                 pool.release(block_ids, OWNER)
                 times.append(clock())
@@ -122,15 +138,19 @@ def run(base: str, policy: str, batch: int, num_chunks: int) -> dict[str, dict[s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", default="HEAD", help="git revision of kvd/pool.py to compare")
+    parser.add_argument("--base", default="HEAD",
+                        help=f"git revision of kvd/pool.py to compare, or {PURE!r}: the working "
+                             "tree's pool with its C loops off")
     parser.add_argument("--policy", default=DEFAULT_POLICY)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--chunks", type=int, default=40)
+    parser.add_argument("--chains", action="store_true",
+                        help="seal each batch as a chain (parents), as the page table does")
     args = parser.parse_args(argv)
-    medians = run(args.base, args.policy, args.batch, args.chunks)
+    medians = run(args.base, args.policy, args.batch, args.chunks, args.chains)
     base, mine = medians["base"], medians["working tree"]
     print(f"BlockPool at {args.base} vs the working tree, policy {args.policy}, batch "
-          f"{args.batch}, {args.chunks} chunks of {ROUNDS_PER_CHUNK} rounds each in turns "
+          f"{args.batch}{' (chains)' if args.chains else ''}, {args.chunks} chunks of {ROUNDS_PER_CHUNK} rounds each in turns "
           "(median µs per call)\n")
     print(markdown_table(["op", f"{args.base} µs", "working tree µs", "working tree / base"],
                          [[op, f"{base[op]:.1f}", f"{mine[op]:.1f}", f"{mine[op] / base[op]:.2f}x"]

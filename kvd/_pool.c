@@ -17,7 +17,7 @@ traffic:
     seal_run(...)      -> stop                                 seal's publishing
 
 A `*_run` function processes blocks from `start` in order and stops *before* the first block it
-does not handle -- a policy event other than a hit, a block to free, an orphan, a parent to link,
+does not handle -- a policy event other than a hit, a block to free, an orphan's last pin,
 anything of an unexpected type -- returning that position (len(block_ids) when it did them all);
 kvd/pool.py then does that one block itself, exactly as its pure-Python loop would, and calls
 again. A block is either done completely here or not touched, so the two interleave into the
@@ -36,8 +36,9 @@ __hash__ or __eq__ can run in the middle of a loop); other keys stop the run.
 #include <Python.h>
 #include <string.h>
 
-/* kvd/pool.py's block states. */
+/* kvd/pool.py's block states, and its empty link in the prefix tree. */
 enum { FREE = 0, OWNED = 1, SEALED = 2, CACHED = 3 };
+#define NO_BLOCK (-1)
 
 /* The id `item` names if it is an exact int in [0, num_blocks), else -1. */
 static Py_ssize_t block_index(PyObject *item, Py_ssize_t num_blocks)
@@ -342,20 +343,65 @@ static PyObject *pool_first_unsealable(PyObject *module, PyObject *const *args, 
     return PyLong_FromSsize_t(position);
 }
 
-/* seal_run(block_ids, keys, start, tiers, parents, state, hashes, tier_of, is_duplicate, index,
-            indexed):
+/* The prefix tree's four int32 link arrays (kvd/pool.py's _parent, _first_child, _next_sibling,
+   _prev_sibling), held as buffers for one call. */
+typedef struct {
+    Py_buffer views[4];
+    int num_open;
+} Tree;
+
+enum { PARENT, FIRST_CHILD, NEXT_SIBLING, PREV_SIBLING };
+
+static void tree_close(Tree *tree)
+{
+    while (tree->num_open > 0)
+        PyBuffer_Release(&tree->views[--tree->num_open]);
+}
+
+/* 1 with every array open, 0 if `links` is not four int32 arrays of num_blocks (nothing open). */
+static int tree_open(Tree *tree, PyObject *links, Py_ssize_t num_blocks)
+{
+    tree->num_open = 0;
+    if (!PyTuple_CheckExact(links) || PyTuple_GET_SIZE(links) != 4)
+        return 0;
+    for (int i = 0; i < 4; i++) {
+        Py_buffer *view = &tree->views[i];
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(links, i), view,
+                               PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_Clear();
+            tree_close(tree);
+            return 0;
+        }
+        tree->num_open++;
+        if (view->itemsize != 4 || view->format == NULL || strcmp(view->format, "i") != 0
+                || view->len != num_blocks * 4) {
+            tree_close(tree);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static int *tree_links(Tree *tree, int which)
+{
+    return (int *)tree->views[which].buf;
+}
+
+/* seal_run(block_ids, keys, start, tiers, parents, state, hashes, tier_of, is_duplicate,
+            is_orphan, index, links, indexed):
    seal's publishing loop over validated blocks: each becomes SEALED under its key (and its tier
-   when `tiers` is a list), indexed if the key is new, else marked a duplicate; True or False
-   appended to `indexed`. Stops before a new key with a parent (linking it into the prefix tree
-   is kvd/pool.py's) and at anything unexpected. */
+   when `tiers` is a list), indexed if the key is new -- linked under the block holding its parent
+   key, or an orphan when none does or that block is one (kvd/pool.py's _adopt) -- else marked a
+   duplicate; True or False appended to `indexed`. `links` is the tree's four int32 arrays;
+   without them (or with a parent key that is not bytes) it stops before a new key with a parent. */
 static PyObject *pool_seal_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("seal_run", nargs, 11) < 0)
+    if (check_nargs("seal_run", nargs, 13) < 0)
         return NULL;
     PyObject *block_ids = args[0], *keys = args[1], *tiers = args[3], *parents = args[4],
              *state = args[5], *hashes = args[6], *tier_of = args[7], *is_duplicate = args[8],
-             *index = args[9], *indexed = args[10];
-    PyObject *bytearrays[] = {tier_of, is_duplicate};
+             *is_orphan = args[9], *index = args[10], *indexed = args[12];
+    PyObject *bytearrays[] = {tier_of, is_duplicate, is_orphan};
     if (!PyList_CheckExact(block_ids))
         return PyLong_FromSsize_t(0);
     Py_ssize_t count = PyList_GET_SIZE(block_ids), position = start_of(args[2], count);
@@ -366,11 +412,14 @@ static PyObject *pool_seal_run(PyObject *module, PyObject *const *args, Py_ssize
             || (parents != Py_None
                 && (!PyList_CheckExact(parents) || PyList_GET_SIZE(parents) != count))
             || !PyDict_CheckExact(index) || !PyList_CheckExact(indexed)
-            || !tables_fit(state, &hashes, 1, bytearrays, 2))
+            || !tables_fit(state, &hashes, 1, bytearrays, 3))
         return PyLong_FromSsize_t(position);
     Py_ssize_t num_blocks = PyByteArray_GET_SIZE(state);
     char *states = PyByteArray_AS_STRING(state), *tier_bytes = PyByteArray_AS_STRING(tier_of);
-    char *duplicate = PyByteArray_AS_STRING(is_duplicate);
+    char *duplicate = PyByteArray_AS_STRING(is_duplicate), *orphan = PyByteArray_AS_STRING(is_orphan);
+    Tree tree;
+    int has_tree = parents != Py_None && tree_open(&tree, args[11], num_blocks);
+    PyObject *result = NULL;
     for (; position < count; position++) {
         PyObject *item = PyList_GET_ITEM(block_ids, position), *key = PyList_GET_ITEM(keys, position);
         Py_ssize_t block_id = block_index(item, num_blocks);
@@ -386,23 +435,49 @@ static PyObject *pool_seal_run(PyObject *module, PyObject *const *args, Py_ssize
             }
         }
         int is_new = !PyDict_Contains(index, key);  /* (bytes: cannot fail) */
-        if (is_new && parents != Py_None && PyList_GET_ITEM(parents, position) != Py_None)
-            break;
+        PyObject *parent_key = is_new && parents != Py_None ? PyList_GET_ITEM(parents, position)
+                                                            : Py_None;
+        Py_ssize_t parent = -1;  /* the block to link under; -1: none (an orphan) */
+        if (parent_key != Py_None) {
+            if (!has_tree || !PyBytes_CheckExact(parent_key))
+                break;
+            PyObject *parent_id = PyDict_GetItemWithError(index, parent_key);  /* borrowed */
+            if (parent_id != NULL && (parent = block_index(parent_id, num_blocks)) < 0)
+                break;  /* (an index value the pool did not write) */
+        }
         states[block_id] = SEALED;
         Py_INCREF(key);
         PyList_SetItem(hashes, block_id, key);
         if (tiers != Py_None)
             tier_bytes[block_id] = (char)tier;
+        if (parent_key != Py_None) {
+            if (parent < 0) {
+                orphan[block_id] = 1;
+            } else {
+                int *first_child = tree_links(&tree, FIRST_CHILD);
+                int first = first_child[parent];
+                tree_links(&tree, PARENT)[block_id] = (int)parent;
+                tree_links(&tree, NEXT_SIBLING)[block_id] = first;
+                if (first != NO_BLOCK)
+                    tree_links(&tree, PREV_SIBLING)[first] = (int)block_id;
+                first_child[parent] = (int)block_id;
+                orphan[block_id] = orphan[parent];
+            }
+        }
         if (is_new) {
             if (PyDict_SetItem(index, key, item) < 0)
-                return NULL;
+                goto done;
         } else {
             duplicate[block_id] = 1;
         }
         if (PyList_Append(indexed, is_new ? Py_True : Py_False) < 0)
-            return NULL;
+            goto done;
     }
-    return PyLong_FromSsize_t(position);
+    result = PyLong_FromSsize_t(position);
+done:
+    if (has_tree)
+        tree_close(&tree);
+    return result;
 }
 
 static PyMethodDef pool_methods[] = {
@@ -423,7 +498,7 @@ static PyMethodDef pool_methods[] = {
      "itself"},
     {"seal_run", (PyCFunction)(void (*)(void))pool_seal_run, METH_FASTCALL,
      "seal_run(block_ids, keys, start, tiers, parents, state, hashes, tier_of, is_duplicate, "
-     "index, indexed) -> stop: BlockPool.seal's publishing of blocks without a parent to link"},
+     "is_orphan, index, links, indexed) -> stop: BlockPool.seal's publishing, parents linked"},
     {NULL, NULL, 0, NULL},
 };
 

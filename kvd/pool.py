@@ -63,11 +63,13 @@ it) and it is freed, not cached, on its last release.
 
 C loops: at batch 256 a request is its per-block bookkeeping, so kvd/_pool.c runs the loops of
 allocate, lookup, pin, release and seal over these same tables for the common blocks and stops
-before any other (a block to free, an orphan, a parent to link, a policy event other than a hit),
+before any other (a block to free, an orphan's last pin, a policy event other than a hit),
 which the Python loop here then does before calling it again: one loop, interleaved, with the
-Python as its specification (tests/test_pool_c.py runs twin pools). Batch 256 with kvd's policy,
-against the Python loops alone: seal 0.62x, lookup 0.68x, releases 0.66-0.75x the time
-(bench/pool_ab.py). KVD_PURE_PYTHON=1, or a build without the module, runs the Python loops only.
+Python as its specification (tests/test_pool_c.py runs twin pools). Batch 256, kvd's policy (whose
+batch events run in kvd/policies/_s3fifo.c the same way), against the Python loops in the same
+process (`python -m bench.pool_ab --base python`): seal 0.57x the time (0.40x sealing chains, with
+parents to link), lookup 0.46x, releases 0.49-0.52x. KVD_PURE_PYTHON=1, or a build without the
+module, runs the Python loops only.
 
 Errors: expected exhaustion returns None from `allocate`; misuse by a caller (wrong owner, wrong
 state, bad hash) raises a typed KvdError and changes nothing; a policy that returns a key the pool
@@ -408,12 +410,14 @@ class BlockPool:
             raise BadArgsError("seal names the same block twice")
         hashes, index, tier_of = self._hashes, self._index, self._tier
         is_duplicate = self._is_duplicate
+        links = (self._parent, self._first_child, self._next_sibling, self._prev_sibling)
         indexed: list[bool] = []  # per block: newly indexed
         position, end = 0, len(block_ids)
         while position < end:
-            if loops is not None:  # the blocks without a parent to link
+            if loops is not None:
                 position = loops.seal_run(block_ids, keys, position, tiers, parents, state,
-                                          hashes, tier_of, is_duplicate, index, indexed)
+                                          hashes, tier_of, is_duplicate, self._is_orphan, index,
+                                          links, indexed)
                 if position == end:
                     break
             block_id, key = block_ids[position], keys[position]

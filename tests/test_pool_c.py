@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+from array import array
 from collections import Counter
 from typing import Any
 
@@ -226,10 +227,18 @@ def test_tables_of_the_wrong_shape_stop_every_run_at_its_start() -> None:
     held = pool._held[1]
     assert loops.own([pool._free[-1]], {}, short, pool._refs) is False
     assert loops.first_unsealable(ids, [b"a", b"b"], held, bytes(pool._state)) == 0
+    links = (pool._parent, pool._first_child, pool._next_sibling, pool._prev_sibling)
+    tables = (pool._tier, pool._is_duplicate, pool._is_orphan, pool._index)
     assert loops.seal_run(ids, [b"a", b"b"], 0, None, None, pool._state, pool._hashes[:4],
-                          pool._tier, pool._is_duplicate, pool._index, []) == 0
-    assert loops.seal_run(ids, [b"a"], 0, None, None, pool._state, pool._hashes, pool._tier,
-                          pool._is_duplicate, pool._index, []) == 0
+                          *tables, links, []) == 0
+    assert loops.seal_run(ids, [b"a"], 0, None, None, pool._state, pool._hashes, *tables, links,
+                          []) == 0
+    for bad_links in (links[:3], (*links[:3], bytearray(32)), (*links[:3], array("q", [0] * 8)),
+                      (*links[:3], links[3][:4]), None):  # a parent to link: stop there
+        assert loops.seal_run(ids, [b"a", b"b"], 0, None, [None, b"a"], pool._state,
+                              pool._hashes, *tables, bad_links, []) == 1
+        pool._state[ids[0]], pool._hashes[ids[0]] = 1, None  # (undo the first block's seal)
+        del pool._index[b"a"]
     assert loops.pin_run(ids, 0, held, pool._state, tuple(pool._refs), pool._hashes, -1, False,
                          []) == (0, 0)
     assert loops.unpin_run(ids, 0, held, pool._state, pool._refs, pool._hashes, short,

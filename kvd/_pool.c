@@ -15,6 +15,7 @@ traffic:
     unpin_run(...)     -> (stop, num_last_pins)                _unpin's common blocks
     first_unsealable(block_ids, keys, held, state) -> int      seal's validation
     seal_run(...)      -> stop                                 seal's publishing
+    evict_run(...)     -> (key,) | None                        allocate's evictions of leaves
 
 A `*_run` function processes blocks from `start` in order and stops *before* the first block it
 does not handle -- a policy event other than a hit, a block to free, an orphan's last pin,
@@ -480,6 +481,114 @@ done:
     return result;
 }
 
+/* evict_run(num_needed, victim, evicted, freed, index, state, hashes, tiers, is_orphan,
+             is_duplicate, refs, generations, links) -> key | None:
+   allocate's eviction loop for leaves: asks `victim()` for keys until `num_needed` blocks are
+   freed, and for each key that names a CACHED block without children in the prefix tree does
+   kvd/pool.py's _evict -- unlink it from its parent, unindex it, tell `evicted(block_id)` (the
+   journal; None: no observer), free it (state, marks, ref count, generation bump) -- appending
+   its id to `freed` (the caller pushes them on the free list, in order, even if this raises).
+   Returns None when done, or (key,) for the first key it did not evict (the policy has let it go
+   already): a victim with children, or one that is not a cached block (None included), for the
+   caller to evict or to report as the policy's bug. */
+static PyObject *pool_evict_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("evict_run", nargs, 13) < 0)
+        return NULL;
+    Py_ssize_t num_needed = PyLong_AsSsize_t(args[0]);
+    if (num_needed == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *victim = args[1], *evicted = args[2], *freed = args[3], *index = args[4],
+             *state = args[5], *hashes = args[6], *tiers = args[7], *is_orphan = args[8],
+             *is_duplicate = args[9], *refs = args[10], *generations = args[11];
+    PyObject *lists[] = {hashes, refs}, *bytearrays[] = {tiers, is_orphan, is_duplicate};
+    if (!PyList_CheckExact(freed) || !PyDict_CheckExact(index)
+            || !tables_fit(state, lists, 2, bytearrays, 3)) {
+        PyErr_SetString(PyExc_TypeError, "evict_run: the pool's tables do not fit");
+        return NULL;
+    }
+    Py_ssize_t num_blocks = PyByteArray_GET_SIZE(state);
+    Py_buffer counters;
+    if (PyObject_GetBuffer(generations, &counters,
+                           PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    Tree tree;
+    if (counters.itemsize != 8 || counters.format == NULL || strcmp(counters.format, "Q") != 0
+            || counters.len != num_blocks * 8 || !tree_open(&tree, args[12], num_blocks)) {
+        PyBuffer_Release(&counters);
+        PyErr_SetString(PyExc_TypeError, "evict_run: generations or links do not fit");
+        return NULL;
+    }
+    unsigned long long *generation = counters.buf;
+    int *parents = tree_links(&tree, PARENT), *first_child = tree_links(&tree, FIRST_CHILD);
+    int *next_sibling = tree_links(&tree, NEXT_SIBLING);
+    int *prev_sibling = tree_links(&tree, PREV_SIBLING);
+    char *states = PyByteArray_AS_STRING(state), *tier = PyByteArray_AS_STRING(tiers);
+    char *orphan = PyByteArray_AS_STRING(is_orphan), *duplicate = PyByteArray_AS_STRING(is_duplicate);
+    PyObject *result = NULL, *zero = PyLong_FromLong(0);
+    if (zero == NULL)
+        goto done;
+    for (Py_ssize_t num_freed = 0; num_freed < num_needed; num_freed++) {
+        PyObject *key = PyObject_CallNoArgs(victim);
+        if (key == NULL)
+            goto done;
+        PyObject *item = PyBytes_CheckExact(key) ? PyDict_GetItemWithError(index, key) : NULL;
+        Py_ssize_t block_id = item == NULL ? -1 : block_index(item, num_blocks);
+        if (PyErr_Occurred()) {
+            Py_DECREF(key);
+            goto done;
+        }
+        if (block_id < 0 || states[block_id] != CACHED || first_child[block_id] != NO_BLOCK) {
+            result = PyTuple_Pack(1, key);
+            Py_DECREF(key);
+            goto done;
+        }
+        Py_INCREF(item);  /* the index's reference goes with its entry */
+        int parent = parents[block_id];
+        if (parent != NO_BLOCK) {  /* _unlink */
+            int before = prev_sibling[block_id], after = next_sibling[block_id];
+            if (before == NO_BLOCK)
+                first_child[parent] = after;
+            else
+                next_sibling[before] = after;
+            if (after != NO_BLOCK)
+                prev_sibling[after] = before;
+            parents[block_id] = prev_sibling[block_id] = next_sibling[block_id] = NO_BLOCK;
+        }
+        int status = PyDict_DelItem(index, key);
+        Py_DECREF(key);
+        if (status < 0) {
+            Py_DECREF(item);
+            goto done;
+        }
+        Py_INCREF(Py_None);
+        PyList_SetItem(hashes, block_id, Py_None);
+        if (evicted != Py_None) {
+            PyObject *answer = PyObject_CallOneArg(evicted, item);
+            if (answer == NULL) {
+                Py_DECREF(item);
+                goto done;
+            }
+            Py_DECREF(answer);
+        }
+        states[block_id] = FREE;  /* _to_free */
+        tier[block_id] = orphan[block_id] = duplicate[block_id] = 0;
+        Py_INCREF(zero);
+        PyList_SetItem(refs, block_id, zero);
+        generation[block_id]++;
+        status = PyList_Append(freed, item);
+        Py_DECREF(item);
+        if (status < 0)
+            goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(zero);
+    tree_close(&tree);
+    PyBuffer_Release(&counters);
+    return result;
+}
+
 static PyMethodDef pool_methods[] = {
     {"own", (PyCFunction)(void (*)(void))pool_own, METH_FASTCALL,
      "own(block_ids, held, state, refs) -> bool: each FREE block OWNED, one pin in held and refs;"
@@ -499,6 +608,10 @@ static PyMethodDef pool_methods[] = {
     {"seal_run", (PyCFunction)(void (*)(void))pool_seal_run, METH_FASTCALL,
      "seal_run(block_ids, keys, start, tiers, parents, state, hashes, tier_of, is_duplicate, "
      "is_orphan, index, links, indexed) -> stop: BlockPool.seal's publishing, parents linked"},
+    {"evict_run", (PyCFunction)(void (*)(void))pool_evict_run, METH_FASTCALL,
+     "evict_run(num_needed, victim, evicted, freed, index, state, hashes, tiers, is_orphan, "
+     "is_duplicate, refs, generations, links) -> (key,) | None: allocate's eviction of leaf "
+     "victims"},
     {NULL, NULL, 0, NULL},
 };
 

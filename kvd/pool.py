@@ -257,8 +257,8 @@ class BlockPool:
             return None  # (free + cached, without a call to the policy's __len__)
         if not num_blocks:
             return []  # and no empty holdings entry for an owner that holds nothing
-        while len(self._free) < num_blocks:
-            self._evict_one()
+        if len(self._free) < num_blocks:
+            self._evict_for(num_blocks)
         held = self._held.setdefault(owner, {})
         state, refs, free = self._state, self._refs, self._free
         if num_blocks == 1:
@@ -276,17 +276,37 @@ class BlockPool:
         self.counters["allocations"] += num_blocks
         return block_ids
 
-    def _evict_one(self) -> None:
-        block_id = self._next_victim
-        if block_id == NO_BLOCK:
-            block_id = self._policy_victim()
-        else:
-            self._next_victim = NO_BLOCK
-        self._evict_subtree(block_id)
+    def _evict_for(self, num_blocks: int) -> None:
+        """Evict until `num_blocks` blocks are free (there are enough evictable ones)."""
+        free, loops = self._free, self._loops
+        while len(free) < num_blocks:
+            if self._next_victim != NO_BLOCK:
+                block_id, self._next_victim = self._next_victim, NO_BLOCK
+            elif loops is None:
+                block_id = self._policy_victim()
+            else:  # leaf victims in C; it hands back the first victim that is not one
+                freed: list[int] = []
+                try:
+                    unevicted = loops.evict_run(
+                        num_blocks - len(free), self.policy.victim,
+                        None if self.observer is None else self.observer.evicted, freed,
+                        self._index, self._state, self._hashes, self._tier, self._is_orphan,
+                        self._is_duplicate, self._refs, self._generations,
+                        (self._parent, self._first_child, self._next_sibling, self._prev_sibling))
+                finally:  # (freed blocks go on the stack even if the journal raised)
+                    free.extend(freed)
+                    self.counters["evictions"] += len(freed)
+                if unevicted is None:
+                    return
+                block_id = self._victim_block(unevicted[0])
+            self._evict_subtree(block_id)
 
     def _policy_victim(self) -> int:
         """Ask the policy for its victim (it stops tracking it); returns the block id."""
-        key = self.policy.victim()
+        return self._victim_block(self.policy.victim())
+
+    def _victim_block(self, key: Hashable | None) -> int:
+        """The block of the key the policy let go; InternalError if it is not a cached one."""
         block_id = self._index.get(key) if key is not None else None
         if block_id is None or self._state[block_id] != CACHED:
             raise InternalError(
@@ -322,7 +342,7 @@ class BlockPool:
             if block_id == root:
                 self._evict(block_id)
             elif state[block_id] == CACHED:
-                # Never the chosen victim: _evict_one takes that one first (as a root), and an
+                # Never the chosen victim: _evict_for takes that one first (as a root), and an
                 # orphan's descendants are never cached.
                 self.policy.discard(self._hashes[block_id])
                 self._evict(block_id)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from kvd import pool as pool_module
-from kvd.errors import KvdError
+from kvd.errors import JournalError, KvdError
 from kvd.policies import EvictionPolicy, make_policy
 from kvd.pool import BlockPool
 
@@ -68,6 +68,13 @@ class CountingLoops:
         position, num_hits = loops.pin_run(block_ids, start, *tables)
         self.handled["pin_run"] += position - start
         return position, num_hits
+
+    def evict_run(self, num_needed: int, victim: Any, evicted: Any, freed: list[int],
+                  *tables: Any) -> tuple | None:
+        try:
+            return loops.evict_run(num_needed, victim, evicted, freed, *tables)
+        finally:
+            self.handled["evict_run"] += len(freed)
 
     def unpin_run(self, block_ids: list[int], start: int, *tables: Any) -> tuple[int, int]:
         position, num_cached = loops.unpin_run(block_ids, start, *tables)
@@ -166,12 +173,31 @@ class Driver:
         return kind, ()
 
 
-def run_twins(policy: str, seed: int, num_ops: int, num_blocks: int = 48) -> CountingLoops:
-    """`policy`: a registered name, or "tiered" (prefill and decode tiers, kvd's policy in each)."""
+class RecordingObserver:
+    """What a journal hears, in order; raises JournalError at eviction number `fail_at`."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.log: list[tuple] = []
+        self.fail_at = fail_at
+
+    def sealed(self, rows: list) -> None:
+        self.log.append(("sealed", rows))
+
+    def evicted(self, block_id: int) -> None:
+        self.log.append(("evicted", block_id))
+        if self.fail_at is not None and sum(entry[0] == "evicted" for entry in self.log) == self.fail_at:
+            raise JournalError("failpoint: the journal cannot be written")
+
+
+def run_twins(policy: str, seed: int, num_ops: int, num_blocks: int = 48,
+              fail_at: int | None = None) -> CountingLoops:
+    """`policy`: a registered name, or "tiered" (prefill and decode tiers, kvd's policy in each).
+    With `fail_at`, the observer raises at that eviction: the run ends there, after comparing."""
     rng = random.Random(seed)
     tiers = "prefill=0.6,decode=0.4" if policy == "tiered" else None
-    fast, pure = (BlockPool(num_blocks, make_policy("kvd" if tiers else policy, num_blocks, tiers))
-                  for _ in range(2))
+    observers = [RecordingObserver(fail_at), RecordingObserver(fail_at)]
+    fast, pure = (BlockPool(num_blocks, make_policy("kvd" if tiers else policy, num_blocks, tiers),
+                            observer=observer) for observer in observers)
     counting = CountingLoops()
     fast._loops, pure._loops = counting, None
     driver = Driver(rng, num_blocks, num_keys=num_blocks + num_blocks // 2)
@@ -181,8 +207,22 @@ def run_twins(policy: str, seed: int, num_ops: int, num_blocks: int = 48) -> Cou
         context = f"{policy} seed {seed} step {step}: {kind}{args}"
         assert results[0] == results[1], context
         assert snapshot(fast) == snapshot(pure), context
+        assert observers[0].log == observers[1].log, context
+        if results[0][0] == "JournalError":
+            counting.handled["journal failed"] += 1
+            break  # (a half-done eviction breaks the invariants, alike in both)
         fast.check_invariants()
+    counting.handled["evictions"] = sum(entry[0] == "evicted" for entry in observers[1].log)
     return counting
+
+
+@needs_c
+def test_a_journal_that_raises_mid_eviction_leaves_both_pools_alike() -> None:
+    for seed in range(3):
+        num_evictions = run_twins("kvd", seed, num_ops=400).handled["evictions"]
+        assert num_evictions > 10
+        for fail_at in (1, 2, num_evictions // 2, num_evictions):
+            assert run_twins("kvd", seed, num_ops=400, fail_at=fail_at).handled["journal failed"]
 
 
 @needs_c
@@ -191,7 +231,8 @@ def test_the_c_loops_change_nothing_a_policy_or_the_pool_can_see(policy: str) ->
     handled: Counter[str] = Counter()
     for seed in range(6):
         handled += run_twins(policy, seed, num_ops=400).handled
-    for function in ("own", "prefix", "first_unsealable", "seal_run", "pin_run", "unpin_run"):
+    for function in ("own", "prefix", "first_unsealable", "seal_run", "pin_run", "unpin_run",
+                     "evict_run"):
         assert handled[function] > 100, (function, handled)  # the C side did real work
 
 

@@ -169,6 +169,113 @@ static PyObject *s3fifo_hit_run(PyObject *module, PyObject *const *args, Py_ssiz
     return PyLong_FromSsize_t(position);
 }
 
+/* (key, value) = queue.popitem(last=False): the oldest entry; NULL with an exception. */
+static PyObject *pop_oldest(PyObject *queue)
+{
+    static PyObject *name = NULL;
+    if (name == NULL && (name = PyUnicode_InternFromString("popitem")) == NULL)
+        return NULL;
+    PyObject *item = PyObject_CallMethodOneArg(queue, name, Py_False);
+    if (item != NULL && (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 2)) {
+        Py_DECREF(item);
+        PyErr_SetString(PyExc_TypeError, "popitem() did not return a pair");
+        return NULL;
+    }
+    return item;
+}
+
+/* ghost[key] = value, then the oldest ghost dropped while there are more than `limit`. */
+static int remember(PyObject *ghost, PyObject *key, PyObject *value, Py_ssize_t limit)
+{
+    if (PyODict_SetItem(ghost, key, value) < 0)
+        return -1;
+    if (PyDict_GET_SIZE(ghost) > limit) {
+        PyObject *oldest = pop_oldest(ghost);
+        if (oldest == NULL)
+            return -1;
+        Py_DECREF(oldest);
+    }
+    return 0;
+}
+
+/* victim(small, main, ghost, main_ghost, small_target, ghost_limit, num_small_evictions)
+   -> (key | None, num_small_evictions):
+   S3-FIFO's victim() with its ghost: S's oldest keys leave S while S is at least small_target
+   long (or M is empty), each promoted to M (counter cleared) if it was hit, else evicted into
+   the ghost; then M's oldest keys are evicted or, with a counter, reinserted one lower. With
+   `main_ghost` (kvd's policy), S's victims are remembered with their eviction number and M's
+   in main_ghost (at most ghost_limit each); without it (None), S's with None and M's nowhere. */
+static PyObject *s3fifo_victim(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("victim", nargs, 7) < 0)
+        return NULL;
+    PyObject *small = args[0], *main = args[1], *ghost = args[2], *main_ghost = args[3];
+    double small_target = PyFloat_AsDouble(args[4]);
+    Py_ssize_t ghost_limit = PyLong_AsSsize_t(args[5]);
+    long long num_small_evictions = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (!PyODict_CheckExact(small) || !PyODict_CheckExact(main) || !PyODict_CheckExact(ghost)
+            || (main_ghost != Py_None && !PyODict_CheckExact(main_ghost))) {
+        PyErr_SetString(PyExc_TypeError, "victim: the queues must be OrderedDicts");
+        return NULL;
+    }
+    while (PyDict_GET_SIZE(small) > 0
+           && ((double)PyDict_GET_SIZE(small) >= small_target || PyDict_GET_SIZE(main) == 0)) {
+        PyObject *oldest = pop_oldest(small);
+        if (oldest == NULL)
+            return NULL;
+        PyObject *key = PyTuple_GET_ITEM(oldest, 0), *count = PyTuple_GET_ITEM(oldest, 1);
+        int is_hit = PyObject_IsTrue(count);
+        int status = is_hit < 0 ? -1 : 0;
+        if (is_hit == 0) {  /* evicted into the ghost */
+            PyObject *mark = Py_None;
+            if (main_ghost != Py_None && (mark = PyLong_FromLongLong(++num_small_evictions)) == NULL)
+                status = -1;
+            if (status == 0) {
+                status = remember(ghost, key, mark, ghost_limit);
+                if (main_ghost != Py_None)
+                    Py_DECREF(mark);
+            }
+            PyObject *answer = status < 0 ? NULL : Py_BuildValue("(OL)", key, num_small_evictions);
+            Py_DECREF(oldest);
+            return answer;
+        }
+        if (status == 0) {
+            PyObject *zero = PyLong_FromLong(0);
+            status = zero == NULL ? -1 : PyODict_SetItem(main, key, zero);
+            Py_XDECREF(zero);
+        }
+        Py_DECREF(oldest);
+        if (status < 0)
+            return NULL;
+    }
+    while (PyDict_GET_SIZE(main) > 0) {
+        PyObject *oldest = pop_oldest(main);
+        if (oldest == NULL)
+            return NULL;
+        PyObject *key = PyTuple_GET_ITEM(oldest, 0);
+        long count = PyLong_AsLong(PyTuple_GET_ITEM(oldest, 1));
+        int status = count == -1 && PyErr_Occurred() ? -1 : 0;
+        if (status == 0 && count == 0) {
+            if (main_ghost != Py_None)
+                status = remember(main_ghost, key, Py_None, ghost_limit);
+            PyObject *answer = status < 0 ? NULL : Py_BuildValue("(OL)", key, num_small_evictions);
+            Py_DECREF(oldest);
+            return answer;
+        }
+        if (status == 0) {
+            PyObject *lower = PyLong_FromLong(count - 1);
+            status = lower == NULL ? -1 : PyODict_SetItem(main, key, lower);
+            Py_XDECREF(lower);
+        }
+        Py_DECREF(oldest);
+        if (status < 0)
+            return NULL;
+    }
+    return Py_BuildValue("(OL)", Py_None, num_small_evictions);
+}
+
 static PyMethodDef s3fifo_methods[] = {
     {"insert_run", (PyCFunction)(void (*)(void))s3fifo_insert_run, METH_FASTCALL,
      "insert_run(keys, start, pinned, small, main, ghosts, in_main) -> stop: inserted_many's "
@@ -176,6 +283,9 @@ static PyMethodDef s3fifo_methods[] = {
     {"hit_run", (PyCFunction)(void (*)(void))s3fifo_hit_run, METH_FASTCALL,
      "hit_run(keys, start, small, main, pinned, in_main, max_frequency, count_main_hits) -> "
      "stop: hit_evictable_many's keys from start up to anything unexpected"},
+    {"victim", (PyCFunction)(void (*)(void))s3fifo_victim, METH_FASTCALL,
+     "victim(small, main, ghost, main_ghost, small_target, ghost_limit, num_small_evictions) -> "
+     "(key | None, num_small_evictions): S3-FIFO's victim() (kvd's policy's with main_ghost)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -62,7 +62,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
-from kvd.policies.s3fifo import IN_MAIN, MAX_FREQUENCY, S3FIFOPolicy
+from kvd.policies.s3fifo import _loops, IN_MAIN, MAX_FREQUENCY, S3FIFOPolicy
 
 # S's share before any ghost evidence: the top of the 5-20% range S3-FIFO's sensitivity study finds
 # flat, because ARC's steps shrink S at least as fast as they grow it (theory of operation).
@@ -81,6 +81,7 @@ class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
         self._ghost: OrderedDict[Hashable, int]  # S's victims → their eviction number
         self._num_small_evictions = 0
         self._main_ghost: OrderedDict[Hashable, None] = OrderedDict()
+        self._loops = _loops if type(self) is AdaptiveS3FIFOPolicy else None  # (as S3FIFOPolicy's)
 
     def accessed(self, key: Hashable) -> None:
         if key in self._main:
@@ -108,6 +109,14 @@ class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
                 pinned[key] = main.pop(key) | IN_MAIN
             else:  # (a branch, not min(): a builtin call per key is measurable at batch 256)
                 pinned[key] = count + 1 if count < MAX_FREQUENCY else count
+
+    def victim(self) -> Hashable | None:
+        if self._loops is None:
+            return super().victim()
+        key, self._num_small_evictions = self._loops.victim(
+            self._small, self._main, self._ghost, self._main_ghost, self.small_target,
+            self._ghost_limit, self._num_small_evictions)
+        return key
 
     def _evict_to_ghost(self, key: Hashable) -> Hashable:
         super()._evict_to_ghost(key)

@@ -25,8 +25,9 @@ counter and its queue; when it becomes evictable again it is appended to that qu
 its counter cleared: its S hit paid for the promotion.
 
 The batch events (`inserted_many`, `hit_evictable_many`) run in kvd/policies/_s3fifo.c for the
-keys without a rule of their own (no ghost hit), interleaved with the Python loop here, which is
-their specification and their fallback (KVD_PURE_PYTHON=1, or a build without the module).
+keys without a rule of their own (no ghost hit), interleaved with the Python loop here, and so
+does `victim`; the Python is their specification and their fallback (KVD_PURE_PYTHON=1, a build
+without the module, or a subclass, whose hooks the C would skip).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class S3FIFOPolicy(EvictionPolicy):
         self._main: OrderedDict[Hashable, int] = OrderedDict()
         self._pinned: dict[Hashable, int] = {}  # cached, not evictable
         self._ghost: OrderedDict[Hashable, None] = OrderedDict()
-        self._loops = _loops
+        # (a subclass may change the hooks the C loops stand in for: it runs Python)
+        self._loops = _loops if type(self) is S3FIFOPolicy else None
 
     def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
         # A key pinned while cached goes back to its queue with its counter, a new one to M if
@@ -159,6 +161,9 @@ class S3FIFOPolicy(EvictionPolicy):
             del self._main[key]
 
     def victim(self) -> Hashable | None:
+        if self._loops is not None:
+            return self._loops.victim(self._small, self._main, self._ghost, None,
+                                      self.small_target, self._ghost_limit, 0)[0]
         while self._small and (len(self._small) >= self.small_target or not self._main):
             key, count = self._small.popitem(last=False)
             if count == 0:

@@ -1,9 +1,10 @@
-"""kvd/policies/_s3fifo.c against S3-FIFO's and kvd's policy's Python loops, its specification.
+"""kvd/policies/_s3fifo.c against S3-FIFO's and kvd's policy's Python, its specification.
 
 Twin policies -- one with the C batch loops, one without -- take the same random events in the
 order a pool sends them (keys inserted when released, pinned by hits and pins, evicted, discarded,
 touched) and must end every step with equal queues, ghosts, pinned table, counters and S target,
-and choose the same victims. Counting wrappers check that the C side did the work.
+and choose the same victims (C's victim() against Python's). Counting wrappers check that the C
+side did the work.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ class CountingLoops:
         position = loops.insert_run(keys, start, *tables)
         self.handled["insert_run"] += position - start
         return position
+
+    def victim(self, *tables: Any) -> tuple:
+        answer = loops.victim(*tables)
+        self.handled["victim"] += answer[0] is not None
+        return answer
 
     def hit_run(self, keys: list, start: int, *tables: Any) -> int:
         position = loops.hit_run(keys, start, *tables)
@@ -101,6 +107,15 @@ def test_the_c_batch_loops_change_nothing_the_policy_holds(cls: type[S3FIFOPolic
         for capacity in (4, 32, 200):
             handled += run_twins(cls, seed, capacity, num_steps=300)
     assert handled["insert_run"] > 1000 and handled["hit_run"] > 1000, handled
+    assert handled["victim"] > 1000, handled
+
+
+def test_subclasses_run_the_python_whose_hooks_they_may_change() -> None:
+    class Mine(AdaptiveS3FIFOPolicy):
+        pass
+
+    assert Mine(8)._loops is None
+    assert AdaptiveS3FIFOPolicy(8)._loops is S3FIFOPolicy(8)._loops is s3fifo._loops
 
 
 def test_a_run_stops_at_a_ghost_hit_and_at_keys_it_cannot_hash_safely() -> None:

@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     medians = run(args.base, args.policy, args.batch, args.chunks, args.chains)
     base, mine = medians["base"], medians["working tree"]
     print(f"BlockPool at {args.base} vs the working tree, policy {args.policy}, batch "
-          f"{args.batch}{' (chains)' if args.chains else ''}, {args.chunks} chunks of {ROUNDS_PER_CHUNK} rounds each in turns "
-          "(median µs per call)\n")
+          f"{args.batch}{' (chains)' if args.chains else ''}, {args.chunks} chunks of "
+          f"{ROUNDS_PER_CHUNK} rounds each in turns (median µs per call)\n")
     print(markdown_table(["op", f"{args.base} µs", "working tree µs", "working tree / base"],
                          [[op, f"{base[op]:.1f}", f"{mine[op]:.1f}", f"{mine[op] / base[op]:.2f}x"]
                           for op in OPS]))

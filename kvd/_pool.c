@@ -33,8 +33,7 @@ each call; anything off stops the run (`own`: returns False, `prefix`: None) and
 raises the error it names. Keys are only hashed here when they are exact bytes (no Python
 __hash__ or __eq__ can run in the middle of a loop); other keys stop the run.
 */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_runs.h"  /* (Python.h, check_nargs, start_of) */
 #include <string.h>
 
 /* kvd/pool.py's block states, and its empty link in the prefix tree. */
@@ -119,26 +118,6 @@ static int set_ref_count(PyObject *refs, Py_ssize_t block_id, long count)
     if (value == NULL)
         return -1;
     return PyList_SetItem(refs, block_id, value);  /* steals value, drops the old int */
-}
-
-static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t expected)
-{
-    if (nargs == expected)
-        return 0;
-    PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, expected, nargs);
-    return -1;
-}
-
-static Py_ssize_t start_of(PyObject *arg, Py_ssize_t length)
-{
-    Py_ssize_t start = PyLong_AsSsize_t(arg);
-    if (start == -1 && PyErr_Occurred())
-        return -1;
-    if (start < 0 || start > length) {
-        PyErr_SetString(PyExc_ValueError, "start is outside block_ids");
-        return -1;
-    }
-    return start;
 }
 
 /* own(block_ids, held, state, refs): every FREE block OWNED with one pin in `held`. */

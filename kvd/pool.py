@@ -62,8 +62,9 @@ out of the index. Its ids stay valid for the sealer (a worker's block table neve
 it) and it is freed, not cached, on its last release.
 
 C loops: at batch 256 a request is its per-block bookkeeping, so kvd/_pool.c runs the loops of
-allocate, lookup, pin, release and seal over these same tables for the common blocks and stops
-before any other (a block to free, an orphan's last pin, a policy event other than a hit),
+allocate (its evictions of leaf victims too), lookup, pin, release and seal over these same
+tables for the common blocks and stops before any other (a block to free, an orphan's last pin,
+a victim with children, a policy event other than a hit),
 which the Python loop here then does before calling it again: one loop, interleaved, with the
 Python as its specification (tests/test_pool_c.py runs twin pools). Batch 256, kvd's policy (whose
 batch events run in kvd/policies/_s3fifo.c the same way), against the Python loops in the same

@@ -20,31 +20,15 @@ adaptation rules are the policy's), a key in neither queue (the Python raises Ke
 that is not exact bytes (hashing it could run Python code), a value that is not a small int --
 and returns that position; the policy's Python loop does that key and calls again, so the two
 interleave into the pure loop's result key for key (tests/policies/test_s3fifo_c.py compares
-twin policies). OrderedDicts are changed only through PyODict_SetItem and PyODict_DelItem, which
-keep their order lists; assigning to a key an OrderedDict holds keeps its position, as in Python.
+twin policies). OrderedDicts are changed only through PyODict_SetItem, PyODict_DelItem and their
+own popitem, which keep their order lists; assigning to a key an OrderedDict holds keeps its
+position, as in Python.
+
+    victim(small, main, ghost, main_ghost, ...) -> (key | None, num_small_evictions)
+        the whole of victim(), which has no uncommon case: kvd's policy passes its main ghost
+        and its count of S's evictions, which numbers its S ghosts.
 */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-
-static int check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t expected)
-{
-    if (nargs == expected)
-        return 0;
-    PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, expected, nargs);
-    return -1;
-}
-
-static Py_ssize_t start_of(PyObject *arg, Py_ssize_t length)
-{
-    Py_ssize_t start = PyLong_AsSsize_t(arg);
-    if (start == -1 && PyErr_Occurred())
-        return -1;
-    if (start < 0 || start > length) {
-        PyErr_SetString(PyExc_ValueError, "start is outside keys");
-        return -1;
-    }
-    return start;
-}
+#include "../_runs.h"  /* (Python.h, check_nargs, start_of) */
 
 /* A queue value or packed pin: a small non-negative exact int, else -1. */
 static long small_int(PyObject *value)

@@ -37,14 +37,14 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
 from kvd.policies.base import TIER_PREFILL, EvictionPolicy
+from kvd.protocol import PURE_PYTHON_ENV
 
 try:
     from kvd.policies import _s3fifo as _built_loops
 except ImportError:  # not built (it is optional): the Python loops do everything
     _built_loops = None
-# Each policy's `_loops` (tests give a twin None). (The variable is kvd.protocol.PURE_PYTHON_ENV;
-# not imported from there: the policies depend on nothing else in kvd.)
-_loops = None if os.environ.get("KVD_PURE_PYTHON") == "1" else _built_loops
+# Each policy's `_loops` (tests give a twin None).
+_loops = None if os.environ.get(PURE_PYTHON_ENV) == "1" else _built_loops
 
 SMALL_SHARE = 0.1  # the paper's default share of S; its sensitivity study finds 5-20% flat
 MAX_FREQUENCY = 3  # two bits, as in the paper

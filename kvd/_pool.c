@@ -31,7 +31,10 @@ Safety: the tables are the pool's private objects, but the ids come from clients
 checked to be an exact int inside the tables, and every table's type and length is checked on
 each call; anything off stops the run (`own`: returns False, `prefix`: None) and the Python path
 raises the error it names. Keys are only hashed here when they are exact bytes (no Python
-__hash__ or __eq__ can run in the middle of a loop); other keys stop the run.
+__hash__ or __eq__ can run in the middle of a loop); other keys stop the run. The one loop that
+calls Python is evict_run's (the policy's victim(), the journal's evicted()), neither of which
+touches the pool's tables; its tables are the pool's own, so a misfit there is a kvd bug and
+raises TypeError before any victim is asked for.
 */
 #include "_runs.h"  /* (Python.h, check_nargs, start_of) */
 #include <string.h>

@@ -16,6 +16,7 @@ traffic:
     first_unsealable(block_ids, keys, held, state) -> int      seal's validation
     seal_run(...)      -> stop                                 seal's publishing
     evict_run(...)     -> (key,) | None                        allocate's evictions of leaves
+    journal_rows(...)  -> list | None                          what a seal tells the journal
 
 A `*_run` function processes blocks from `start` in order and stops *before* the first block it
 does not handle -- a policy event other than a hit, a block to free, an orphan's last pin,
@@ -571,6 +572,60 @@ done:
     return result;
 }
 
+/* journal_rows(block_ids, is_orphan, hashes, tiers, generations, links) -> list | None:
+   kvd/pool.py's journal_rows of `block_ids` (a list of ids in the pool): per block the tuple
+   (block_id, key, generation, parent, parent_generation, tier), parent ORPHAN (-2) for an
+   orphan; None if anything is off (the Python then makes the rows, or names the problem). */
+static PyObject *pool_journal_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("journal_rows", nargs, 6) < 0)
+        return NULL;
+    PyObject *block_ids = args[0], *is_orphan = args[1], *hashes = args[2], *tiers = args[3];
+    if (!PyList_CheckExact(block_ids) || !PyByteArray_CheckExact(is_orphan))
+        Py_RETURN_NONE;
+    Py_ssize_t num_blocks = PyByteArray_GET_SIZE(is_orphan);
+    PyObject *bytearrays[] = {tiers};
+    if (!tables_fit(is_orphan, &hashes, 1, bytearrays, 1))
+        Py_RETURN_NONE;
+    Py_buffer counters;
+    if (PyObject_GetBuffer(args[4], &counters, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Tree tree;
+    if (counters.itemsize != 8 || counters.format == NULL || strcmp(counters.format, "Q") != 0
+            || counters.len != num_blocks * 8 || !tree_open(&tree, args[5], num_blocks)) {
+        PyBuffer_Release(&counters);
+        Py_RETURN_NONE;
+    }
+    const unsigned long long *generation = counters.buf;
+    const int *parents = tree_links(&tree, PARENT);
+    const char *orphan = PyByteArray_AS_STRING(is_orphan);
+    const unsigned char *tier = (const unsigned char *)PyByteArray_AS_STRING(tiers);
+    Py_ssize_t count = PyList_GET_SIZE(block_ids);
+    PyObject *rows = PyList_New(count);
+    for (Py_ssize_t i = 0; rows != NULL && i < count; i++) {
+        PyObject *item = PyList_GET_ITEM(block_ids, i);
+        Py_ssize_t block_id = block_index(item, num_blocks);
+        int parent = block_id < 0 ? NO_BLOCK : orphan[block_id] ? -2 : parents[block_id];
+        if (block_id < 0 || parent >= num_blocks) {
+            Py_CLEAR(rows);
+            rows = Py_NewRef(Py_None);
+            break;
+        }
+        PyObject *row = Py_BuildValue("(OOKiKi)", item, PyList_GET_ITEM(hashes, block_id),
+                                      generation[block_id], parent,
+                                      parent >= 0 ? generation[parent] : 0ULL, tier[block_id]);
+        if (row == NULL)
+            Py_CLEAR(rows);
+        else
+            PyList_SET_ITEM(rows, i, row);
+    }
+    tree_close(&tree);
+    PyBuffer_Release(&counters);
+    return rows;
+}
+
 static PyMethodDef pool_methods[] = {
     {"own", (PyCFunction)(void (*)(void))pool_own, METH_FASTCALL,
      "own(block_ids, held, state, refs) -> bool: each FREE block OWNED, one pin in held and refs;"
@@ -594,6 +649,9 @@ static PyMethodDef pool_methods[] = {
      "evict_run(num_needed, victim, evicted, freed, index, state, hashes, tiers, is_orphan, "
      "is_duplicate, refs, generations, links) -> (key,) | None: allocate's eviction of leaf "
      "victims"},
+    {"journal_rows", (PyCFunction)(void (*)(void))pool_journal_rows, METH_FASTCALL,
+     "journal_rows(block_ids, is_orphan, hashes, tiers, generations, links) -> list | None: "
+     "BlockPool.journal_rows of a list of block ids"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -62,8 +62,8 @@ out of the index. Its ids stay valid for the sealer (a worker's block table neve
 it) and it is freed, not cached, on its last release.
 
 C loops: at batch 256 a request is its per-block bookkeeping, so kvd/_pool.c runs the loops of
-allocate (its evictions of leaf victims too), lookup, pin, release and seal over these same
-tables for the common blocks and stops before any other (a block to free, an orphan's last pin,
+allocate (its evictions of leaf victims too), lookup, pin, release and seal (and journal_rows)
+over these same tables for the common blocks and stops before any other (a block to free, an orphan's last pin,
 a victim with children, a policy event other than a hit),
 which the Python loop here then does before calling it again: one loop, interleaved, with the
 Python as its specification (tests/test_pool_c.py runs twin pools). Batch 256, kvd's policy (whose
@@ -699,6 +699,13 @@ class BlockPool:
         of every indexed block, oldest index entry first. A row is (block_id, key, generation,
         parent, parent_generation, tier); parent is ORPHAN for an orphan."""
         parents, is_orphan, hashes, tiers = self._parent, self._is_orphan, self._hashes, self._tier
+        if self._loops is not None and type(block_ids) is list:
+            rows = self._loops.journal_rows(block_ids, is_orphan, hashes, tiers,
+                                            self._generations, (parents, self._first_child,
+                                                                self._next_sibling,
+                                                                self._prev_sibling))
+            if rows is not None:
+                return rows
         generation = self.generations.item  # a Python int at half the cost of int(a[i])
         rows = []
         for block_id in self._index.values() if block_ids is None else block_ids:

@@ -76,6 +76,11 @@ class CountingLoops:
         finally:
             self.handled["evict_run"] += len(freed)
 
+    def journal_rows(self, block_ids: list[int], *tables: Any) -> list | None:
+        rows = loops.journal_rows(block_ids, *tables)
+        self.handled["journal_rows"] += len(rows) if rows is not None else 0
+        return rows
+
     def unpin_run(self, block_ids: list[int], start: int, *tables: Any) -> tuple[int, int]:
         position, num_cached = loops.unpin_run(block_ids, start, *tables)
         self.handled["unpin_run"] += position - start
@@ -232,7 +237,7 @@ def test_the_c_loops_change_nothing_a_policy_or_the_pool_can_see(policy: str) ->
     for seed in range(6):
         handled += run_twins(policy, seed, num_ops=400).handled
     for function in ("own", "prefix", "first_unsealable", "seal_run", "pin_run", "unpin_run",
-                     "evict_run"):
+                     "evict_run", "journal_rows"):
         assert handled[function] > 100, (function, handled)  # the C side did real work
 
 

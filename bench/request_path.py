@@ -13,6 +13,11 @@ It reports, per op of the control plane's round (alloc, seal, release, lookup, r
     the echo floor with the same request body, medians of interleaved chunks;
   * the same kvd round trip with its frame codec in pure Python (`kvd.protocol.use_c(False)`),
     in the same interleaving: what kvd/_wire.c saves;
+  * the server's side of those same round trips alone: kvd's `serve_once` (select, recv,
+    decode, handle, encode, send) and the echo server's loop iteration. A daemon that runs flat
+    out on a core of its own serves 1 / (its time per request), so over the round's mix of ops
+    the floor's server time over kvd's is what bench/scaling.py's ratio tends to on a host with
+    a core per worker: a steady, scheduler-free view of that goal (>= 0.8x at 8 workers);
   * the stages of kvd's handling of that request (decode: unpack + parse, handle: the Service's
     validation and the pool, encode), each timed alone on the same requests, with the C codec.
 
@@ -68,10 +73,13 @@ class InlineDaemon:
         self.call("hello", {"version": PROTOCOL_VERSION, "pid": os.getpid()})
 
     def call(self, op: str, args: dict[str, Any]) -> Any:
-        """One request as kvd.Client makes it (its encoder, and its decoding of the reply)."""
+        """One request as kvd.Client makes it (its encoder, and its decoding of the reply);
+        `server_ns` is then the time the daemon's side took (serve_once)."""
         self._next_id += 1
         self.sock.sendall(self._encoder.request(self._next_id, op, args))
+        start = time.perf_counter_ns()
         self.daemon.serve_once(1.0)
+        self.server_ns = time.perf_counter_ns() - start
         while True:
             chunk = self.sock.recv(65536)
             replies = self._decoder.replies(chunk)
@@ -103,9 +111,11 @@ class InlineEcho:
         self._next_id += 1
         body = msgpack.packb([self._next_id, op, args])
         self.sock.sendall(self._length.pack(len(body)) + body)
-        for _ in self._selector.select(1.0):
+        start = time.perf_counter_ns()
+        for _ in self._selector.select(1.0):  # the echo server's loop iteration
             self._buffer += self._server.recv(65536)
             self._server.sendall(echo_replies(self._buffer))
+        self.server_ns = time.perf_counter_ns() - start
         data = self.sock.recv(65536)
         return msgpack.unpackb(data[4:])[2]
 
@@ -121,13 +131,16 @@ def round_args(hashes: list[bytes], block_ids: list[int]) -> list[tuple[str, dic
             ("release", {"block_ids": block_ids})]
 
 
-def timed_round(server: Any, hashes: list[bytes], samples: dict[str, list[int]]) -> None:
+def timed_round(server: Any, hashes: list[bytes], samples: dict[str, list[int]],
+                server_samples: dict[str, list[int]]) -> None:
+    """One round through `server`: each call's round trip, and its server side alone."""
     clock = time.perf_counter_ns
     block_ids: list[int] = [0]
     for op, args in round_args(hashes, block_ids):
         start = clock()
         result = server.call(op, args)
         samples[op].append(clock() - start)
+        server_samples[op].append(server.server_ns)
         if op == "alloc":
             block_ids[:] = result if type(result) is list else [0]  # the echo answers None
 
@@ -162,26 +175,31 @@ def run(quick: bool) -> dict[str, Any]:
     kvd_samples: dict[str, list[int]] = {op: [] for op in OPS}
     pure_samples: dict[str, list[int]] = {op: [] for op in OPS}
     echo_samples: dict[str, list[int]] = {op: [] for op in OPS}
+    # the server's side alone (kvd's serve_once, the echo's loop iteration), C codec turns only
+    kvd_server: dict[str, list[int]] = {op: [] for op in OPS}
+    echo_server: dict[str, list[int]] = {op: [] for op in OPS}
     has_c = protocol.use_c(True)  # (off where kvd/_wire.c was not built: no pure column then)
     stage_samples: dict[str, list[int]] = {f"{op}:{stage}": [] for op in OPS
                                            for stage in ("decode", "handle", "encode")}
     key = 0
     with tempfile.TemporaryDirectory(prefix="kvd-path-") as directory:
         inline, echo = InlineDaemon(directory), InlineEcho()
-        # (server, samples, whether its turn runs with the C codec)
-        servers = [(inline, kvd_samples, True), (echo, echo_samples, True)]
+        # (server, samples, server-side samples, whether its turn runs with the C codec)
+        servers = [(inline, kvd_samples, kvd_server, True),
+                   (echo, echo_samples, echo_server, True)]
         if has_c:
-            servers.append((inline, pure_samples, False))
+            servers.append((inline, pure_samples, {op: [] for op in OPS}, False))
         try:
             for chunk in range(num_chunks + 1):  # the first chunk warms up and is dropped
                 progress(f"request path: chunk {chunk + 1} of {num_chunks + 1}")
                 keep = chunk > 0
-                for server, samples, with_c in servers:
+                for server, samples, server_samples, with_c in servers:
                     protocol.use_c(with_c)
                     for _ in range(CHUNK):
                         key += 1
                         timed_round(server, digests(key, 1),
-                                    samples if keep else {op: [] for op in OPS})
+                                    samples if keep else {op: [] for op in OPS},
+                                    server_samples if keep else {op: [] for op in OPS})
                     protocol.use_c(has_c)
                 for _ in range(CHUNK):
                     key += 1
@@ -193,11 +211,19 @@ def run(quick: bool) -> dict[str, Any]:
     rows = {}
     for op in OPS:
         mine, floor = median_us(kvd_samples[op]), median_us(echo_samples[op])
+        mine_server, floor_server = median_us(kvd_server[op]), median_us(echo_server[op])
         rows[op] = {"kvd_us": mine, "echo_us": floor, "ratio": mine / floor,
+                    "kvd_server_us": mine_server, "echo_server_us": floor_server,
+                    "server_ratio": floor_server / mine_server,
                     "pure_python_us": median_us(pure_samples[op]) if has_c else None,
                     **{stage: median_us(stage_samples[f"{op}:{stage}"])
                        for stage in ("decode", "handle", "encode")}}
-    return {"num_blocks": NUM_BLOCKS, "rounds": num_chunks * CHUNK, "has_c": has_c, "ops": rows}
+    # What scaling's saturated servers tend to (bench/scaling.py): the floor's server time per
+    # request over kvd's, over the round's mix of ops.
+    round_server_ratio = (sum(rows[op]["echo_server_us"] for op in ROUND)
+                          / sum(rows[op]["kvd_server_us"] for op in ROUND))
+    return {"num_blocks": NUM_BLOCKS, "rounds": num_chunks * CHUNK, "has_c": has_c, "ops": rows,
+            "round_server_ratio": round_server_ratio}
 
 
 def _pure_cells(row: dict[str, Any]) -> list[str]:
@@ -209,11 +235,14 @@ def _pure_cells(row: dict[str, Any]) -> list[str]:
 
 def markdown(results: dict[str, Any]) -> str:
     rows = [[op, f"{row['kvd_us']:.2f}", f"{row['echo_us']:.2f}", f"{row['ratio']:.2f}x",
-             f"{row['kvd_us'] - row['echo_us']:.2f}", *_pure_cells(row), f"{row['decode']:.2f}",
-             f"{row['handle']:.2f}", f"{row['encode']:.2f}"]
+             f"{row['kvd_us'] - row['echo_us']:.2f}", *_pure_cells(row),
+             f"{row['kvd_server_us']:.2f}", f"{row['echo_server_us']:.2f}",
+             f"{row['server_ratio']:.2f}x", f"{row['decode']:.2f}", f"{row['handle']:.2f}",
+             f"{row['encode']:.2f}"]
             for op, row in results["ops"].items()]
     table = markdown_table(["op", "kvd µs", "echo µs", "kvd / floor", "kvd - floor µs",
-                            "pure-Python codec µs", "C saves µs", "decode µs", "handle µs",
+                            "pure-Python codec µs", "C saves µs", "kvd server µs",
+                            "echo server µs", "floor / kvd server", "decode µs", "handle µs",
                             "encode µs"], rows)
     return ("## Request path in one process, no scheduler (bench/request_path.py)\n\n"
             f"One process drives both ends of a real Unix socket and runs the daemon's loop "
@@ -222,7 +251,12 @@ def markdown(results: dict[str, Any]) -> str:
             f"medians. The pure-Python column is the same kvd round trip with the frame codec "
             f"in Python (kvd.protocol.use_c(False)), interleaved with the others: what "
             f"kvd/_wire.c saves. The stages are kvd's decode (unpack + parse), handle "
-            f"(validation + pool) and encode of the same requests, each timed alone.\n\n"
+            f"(validation + pool) and encode of the same requests, each timed alone. The server "
+            f"columns time the server's side of the same round trips alone (kvd's serve_once, "
+            f"the echo server's loop iteration): over a round (alloc, seal, release, lookup, "
+            f"release) the floor's server time is {results['round_server_ratio']:.2f}x kvd's, "
+            f"what a saturated daemon's throughput tends to against the floor's when every "
+            f"worker has a core (bench/scaling.py's goal: >= 0.8x at 8 workers).\n\n"
             + table + "\n")
 
 

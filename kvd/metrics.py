@@ -1,21 +1,30 @@
 """Prometheus metrics, computed at scrape time from the daemon's own counters.
 
-The request path only bumps plain Python ints and one bucket of a latency histogram (a bisect
-and an increment); prometheus_client objects are built when a scrape arrives, on the HTTP
-server's thread. That keeps the per-request cost of metrics well under a microsecond, where
-observing a prometheus_client Histogram per request would cost several (bench/control_plane.py
-measures the request path). Reads from the scrape thread are plain int reads under the GIL: a
-scrape may see one request half-counted, never a torn value.
-"""
+The request path only bumps plain Python ints and one bucket of its op's latency histogram (one
+call into kvd/_latency.c, or the same in Python here where it is not built); prometheus_client
+objects are built when a scrape arrives, on the HTTP server's thread. That keeps the per-request
+cost of metrics a small fraction of a microsecond, where observing a prometheus_client Histogram
+per request would cost several (bench/request_path.py measures the request path). Reads from the
+scrape thread are plain reads under the GIL: a scrape may see one request half-counted, never a
+torn value."""
 
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Callable, Iterator
+from time import perf_counter
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from kvd.protocol import PURE_PYTHON_ENV
+
+try:
+    from kvd import _latency as _built_latency
+except ImportError:  # not built (a plain source checkout, or no C compiler at install)
+    _built_latency = None
 
 # Request latency buckets in seconds: a round trip on a Unix socket starts near 10 µs.
 LATENCY_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1, 1.0)
@@ -36,27 +45,64 @@ def snapshot(mapping: dict[str, Any]) -> dict[str, Any]:
             continue
 
 
+class Histogram:
+    """Per-op latency buckets: kvd/_latency.c's Histogram in Python, its specification (see
+    there for the contract; tests/test_metrics.py holds the two to it)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self._rows: dict[str, list[Any]] = {}  # op -> counts (a last one for +Inf), then sum_s
+
+    def add(self, op: str) -> None:
+        if not isinstance(op, str):
+            raise TypeError("an op is a str")
+        self._rows.setdefault(op, [0] * (len(self._bounds) + 1) + [0.0])
+
+    def since(self, op: Any, started: float) -> None:
+        row = self._rows.get(op) if type(op) is str else None
+        if row is not None:  # (record's body, not a call to it: this runs for every request)
+            seconds = perf_counter() - started
+            row[bisect.bisect_left(self._bounds, seconds)] += 1
+            row[-1] += seconds
+
+    def record(self, op: Any, seconds: float) -> None:
+        row = self._rows.get(op) if type(op) is str else None
+        if row is not None:
+            row[bisect.bisect_left(self._bounds, seconds)] += 1
+            row[-1] += seconds
+
+    def rows(self) -> dict[str, tuple[list[int], float]]:
+        views = {}
+        for op, row in snapshot(self._rows).items():
+            row = row[:]  # one C call: this row's counts and sum as of one instant
+            if any(row[:-1]):
+                views[op] = (row[:-1], row[-1])
+        return views
+
+
+def new_histogram(bounds: tuple[float, ...]) -> Any:
+    """kvd/_latency.c's Histogram where it is built (and not turned off), else the Python one."""
+    if _built_latency is None or os.environ.get(PURE_PYTHON_ENV) == "1":
+        return Histogram(bounds)
+    return _built_latency.Histogram(bounds)
+
+
 class OpStats:
-    """Per-op request counts and a latency histogram, plus error counts by code."""
+    """Per-op request counts and a latency histogram, plus error counts by code.
+
+    Only ops given a row (`latency.add`: the Service adds the ops it handles) are timed, so that
+    made-up op names cannot grow the metric labels without bound.
+    """
 
     def __init__(self) -> None:
-        self.latency: dict[str, list[int]] = {}  # op -> bucket counts (+1 for +Inf)
-        self.latency_sum_s: dict[str, float] = {}
+        self.latency = new_histogram(LATENCY_BUCKETS_S)
         self.errors: dict[str, int] = {}
-
-    def observe(self, op: str, seconds: float) -> None:
-        buckets = self.latency.get(op)
-        if buckets is None:  # the sum first: a scrape that sees the op must find its sum
-            self.latency_sum_s[op] = 0.0
-            buckets = self.latency[op] = [0] * (len(LATENCY_BUCKETS_S) + 1)
-        buckets[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
-        self.latency_sum_s[op] += seconds
 
     def error(self, code: str) -> None:
         self.errors[code] = self.errors.get(code, 0) + 1
 
     def requests(self) -> dict[str, int]:
-        return {op: sum(buckets) for op, buckets in snapshot(self.latency).items()}
+        return {op: sum(counts) for op, (counts, _) in self.latency.rows().items()}
 
 
 class KvdCollector:
@@ -103,12 +149,12 @@ class KvdCollector:
         yield errors
         latency = HistogramMetricFamily("kvd_request_latency_seconds",
                                         "Time to handle a request in the daemon", labels=["op"])
-        for op, buckets in sorted(snapshot(self._ops.latency).items()):
+        for op, (counts, sum_s) in sorted(self._ops.latency.rows().items()):
             cumulative, total = [], 0
-            for bound, count in zip((*LATENCY_BUCKETS_S, float("inf")), buckets):
+            for bound, count in zip((*LATENCY_BUCKETS_S, float("inf")), counts):
                 total += count
                 cumulative.append((str(bound) if bound != float("inf") else "+Inf", total))
-            latency.add_metric([op], cumulative, sum_value=self._ops.latency_sum_s[op])
+            latency.add_metric([op], cumulative, sum_value=sum_s)
         yield latency
 
 

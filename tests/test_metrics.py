@@ -7,11 +7,14 @@ run as a separate process: both must report the same numbers.
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -21,7 +24,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvd
-from kvd.metrics import LATENCY_BUCKETS_S, KvdCollector, OpStats
+from kvd import metrics
+from kvd.metrics import LATENCY_BUCKETS_S, Histogram, KvdCollector, OpStats
+
+latency_c = metrics._built_latency  # (tests call it directly: KVD_PURE_PYTHON turns its use off)
+HISTOGRAMS = [pytest.param(Histogram, id="python"),
+              pytest.param(getattr(latency_c, "Histogram", None), id="c", marks=pytest.mark.skipif(
+                  latency_c is None, reason="kvd/_latency.c is not built here"))]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,10 +48,24 @@ FAKE_STATS = {"free": 5, "owned": 4, "sealed": 3, "cached": 2, "num_blocks": 14,
               "journal_commits": 5, "journal_failures": 0}
 
 
-def test_op_stats_buckets_and_the_collector_exposition():
+def test_the_c_histogram_is_built_where_ci_requires_it() -> None:
+    """.ci/run sets KVD_REQUIRE_C=1: an install that silently fell back to Python fails there."""
+    if latency_c is None and os.environ.get("KVD_REQUIRE_C") != "1":
+        pytest.skip("kvd/_latency.c is not built here and KVD_REQUIRE_C is not set")
+    assert latency_c is not None, "KVD_REQUIRE_C=1 but kvd/_latency.c was not built"
+    if os.environ.get("KVD_PURE_PYTHON") != "1":
+        assert type(OpStats().latency) is latency_c.Histogram
+
+
+@pytest.mark.parametrize("make", HISTOGRAMS)
+def test_op_stats_buckets_and_the_collector_exposition(make):
     ops = OpStats()
+    ops.latency = make(LATENCY_BUCKETS_S)
+    ops.latency.add("alloc")
+    ops.latency.add("seal")  # never recorded: no series for it
     for seconds in (5e-6, 1e-5, 3e-5, 0.5, 5.0):
-        ops.observe("alloc", seconds)
+        ops.latency.record("alloc", seconds)
+    ops.latency.record("made-up", 1e-5)  # an op without a row is not counted
     ops.error("NO_SPACE")
     ops.error("NO_SPACE")
     assert ops.requests() == {"alloc": 5}
@@ -61,13 +84,79 @@ def test_op_stats_buckets_and_the_collector_exposition():
     assert got[(bucket, (("le", "+Inf"), ("op", "alloc")))] == 5
     assert got[("kvd_request_latency_seconds_count", (("op", "alloc"),))] == 5
     assert got[("kvd_request_latency_seconds_sum", (("op", "alloc"),))] == pytest.approx(5.500045)
+    assert not any(labels == (("op", "seal"),) or ("op", "made-up") in labels
+                   for _, labels in got)
     assert len(LATENCY_BUCKETS_S) == len(set(LATENCY_BUCKETS_S))
 
 
-def test_a_scrape_racing_the_first_request_of_an_op_sees_a_consistent_view():
-    """The HTTP thread reads OpStats while the loop adds ops (regression: 'dictionary changed
-    size during iteration', and a histogram without its sum)."""
+@pytest.mark.skipif(latency_c is None, reason="kvd/_latency.c is not built here")
+def test_the_c_histogram_agrees_with_the_python_one():
+    """kvd/_latency.c against its specification: the same values (every bound exactly, either
+    side of it, zero, negatives, infinities, random) and non-ops, then equal rows."""
+    rng = random.Random(5)
+    for bounds in (LATENCY_BUCKETS_S, (), (0.0,), (-1.0, 0.0, 2.5)):
+        twins = [latency_c.Histogram(bounds), Histogram(bounds)]
+        values = [0.0, -0.0, -1.0, 1e-300, math.inf, -math.inf, 5e-324]
+        for bound in bounds:
+            values += [bound, math.nextafter(bound, -math.inf), math.nextafter(bound, math.inf)]
+        values += [rng.uniform(-0.1, 2.0) for _ in range(300)]
+        values += [10 ** rng.uniform(-7, 1) for _ in range(300)]
+        ops = ["alloc", "seal", "lookup", "not-added", None, 7, b"alloc", ("alloc",), ["x"]]
+        for twin in twins:
+            for op in ("alloc", "seal", "lookup"):
+                twin.add(op)
+            twin.add("alloc")  # twice: no reset
+        for step, seconds in enumerate(values):
+            op = ops[step % len(ops)]
+            for twin in twins:
+                twin.record(op, seconds)
+            if step % 50 == 0:
+                assert twins[0].rows() == twins[1].rows()
+        c_rows, python_rows = (twin.rows() for twin in twins)
+        assert c_rows == python_rows and set(c_rows) == {"alloc", "seal", "lookup"}
+        for twin in twins:  # NaN: the first bucket (bisect_left), and a NaN sum
+            twin.add("nan")
+            twin.record("nan", math.nan)
+        (c_counts, c_sum), (python_counts, python_sum) = (twin.rows()["nan"] for twin in twins)
+        assert c_counts == python_counts == [1] + [0] * len(bounds)
+        assert math.isnan(c_sum) and math.isnan(python_sum)
+
+
+@pytest.mark.parametrize("make", HISTOGRAMS)
+def test_since_reads_perf_counters_clock(make):
+    """since(op, started) records perf_counter() - started: the C one reads the same clock."""
+    histogram = make(LATENCY_BUCKETS_S)
+    histogram.add("alloc")
+    before = time.perf_counter()
+    histogram.since("alloc", before - 0.05)  # 50 ms ago: the 0.1 s bucket
+    after = time.perf_counter()
+    counts, sum_s = histogram.rows()["alloc"]
+    assert counts[LATENCY_BUCKETS_S.index(0.1)] == 1 and sum(counts) == 1
+    assert 0.05 <= sum_s <= after - before + 0.05
+
+
+@pytest.mark.parametrize("make", HISTOGRAMS)
+def test_histogram_misuse_is_a_clear_error(make):
+    histogram = make((1e-5, 1e-3))
+    with pytest.raises(TypeError, match="an op is a str"):
+        histogram.add(b"alloc")
+    histogram.add("alloc")
+    with pytest.raises(TypeError):
+        histogram.record("alloc", "fast")
+    assert histogram.rows() == {}
+    if make is not Histogram:  # the C one checks its bounds (the Python one takes them as given)
+        with pytest.raises(ValueError, match="bounds must increase"):
+            make((1e-3, 1e-5))
+        with pytest.raises(TypeError):
+            make([1e-5])
+
+
+@pytest.mark.parametrize("make", HISTOGRAMS)
+def test_a_scrape_racing_new_ops_sees_a_consistent_view(make):
+    """The HTTP thread reads OpStats while the loop adds ops and records (regression:
+    'dictionary changed size during iteration', and a histogram without its sum)."""
     ops = OpStats()
+    ops.latency = make(LATENCY_BUCKETS_S)
     collector = KvdCollector(lambda: {**FAKE_STATS, "requests": ops.requests()}, ops)
     failures: list[BaseException] = []
     is_done = threading.Event()
@@ -85,13 +174,15 @@ def test_a_scrape_racing_the_first_request_of_an_op_sees_a_consistent_view():
     scraper.start()
     try:
         for i in range(10_000):
-            ops.observe(f"op{i}", 1e-5)
+            ops.latency.add(f"op{i}")
+            ops.latency.record(f"op{i}", 1e-5)
             ops.error(f"CODE{i}")
     finally:
         is_done.set()
         scraper.join()
         sys.setswitchinterval(interval)
     assert not failures, failures[:3]
+    assert ops.requests() == {f"op{i}": 1 for i in range(10_000)}
 
 
 def free_port() -> int:

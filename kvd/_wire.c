@@ -14,6 +14,7 @@ traffic:
     requests(chunk), replies(chunk)                    the same for a chunk of whole frames
     frame(obj)     -> bytes | None                     FrameEncoder.frame (msgpack's Packer)
     is_int_list(...), is_bytes_list(...) -> bool       arg_int_list's, arg_bytes_list's checks
+    args_of(args, schema) -> tuple | None              args_of: a hot op's checks, in one call
 
 and, by the same rules, the journal's work per commit (kvd/journal.py: every seal's reply waits
 for its commit):
@@ -529,15 +530,64 @@ static int check_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expect
     return 1;
 }
 
-/* Whether `value` is a list no longer than the int `max_len` (one beyond Py_ssize_t: no). */
-static int is_list_within(PyObject *value, PyObject *max_len)
+/* Whether `value` is a list of at most `max_len` ints (not bools) in [0, limit]. */
+static int is_int_list_within(PyObject *value, Py_ssize_t max_len, unsigned long long limit)
 {
-    Py_ssize_t limit = PyLong_AsSsize_t(max_len);
-    if (limit == -1 && PyErr_Occurred()) {
+    if (!PyList_CheckExact(value) || PyList_GET_SIZE(value) > max_len)
+        return 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(value); i++) {
+        PyObject *item = PyList_GET_ITEM(value, i);
+        if (!PyLong_CheckExact(item))
+            return 0;
+        unsigned long long v = PyLong_AsUnsignedLongLong(item);
+        if (PyErr_Occurred()) { /* negative, or above 2**64 - 1 */
+            PyErr_Clear();
+            return 0;
+        }
+        if (v > limit)
+            return 0;
+    }
+    return 1;
+}
+
+/* Whether `value` is a list of at most `max_len` bytes of 1 to `max_item_nbytes` bytes each (or
+   None items, if `allow_nil`). */
+static int is_bytes_list_within(PyObject *value, Py_ssize_t max_len, Py_ssize_t max_item_nbytes,
+                                int allow_nil)
+{
+    if (!PyList_CheckExact(value) || PyList_GET_SIZE(value) > max_len)
+        return 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(value); i++) {
+        PyObject *item = PyList_GET_ITEM(value, i);
+        if (item == Py_None && allow_nil)
+            continue;
+        if (!PyBytes_CheckExact(item) || PyBytes_GET_SIZE(item) == 0
+                || PyBytes_GET_SIZE(item) > max_item_nbytes)
+            return 0;
+    }
+    return 1;
+}
+
+/* An int argument as a Py_ssize_t (*out), or as an unsigned 64-bit limit; 0, with no error set,
+   when it does not fit: the caller then declines and Python decides. */
+static int ssize_of(PyObject *obj, Py_ssize_t *out)
+{
+    *out = PyLong_AsSsize_t(obj);
+    if (*out == -1 && PyErr_Occurred()) {
         PyErr_Clear();
         return 0;
     }
-    return PyList_CheckExact(value) && PyList_GET_SIZE(value) <= limit;
+    return 1;
+}
+
+static int u64_limit_of(PyObject *obj, unsigned long long *out)
+{
+    *out = PyLong_AsUnsignedLongLong(obj);
+    if (PyErr_Occurred()) { /* a negative limit admits no int: let Python say so */
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
 }
 
 /* Whether `value` is a list of at most `max_len` ints (not bools) in [0, limit]. */
@@ -545,27 +595,10 @@ static PyObject *wire_is_int_list(PyObject *module, PyObject *const *args, Py_ss
 {
     if (!check_args(args, nargs, 3))
         return NULL;
-    PyObject *value = args[0];
-    unsigned long long limit = PyLong_AsUnsignedLongLong(args[2]);
-    if (PyErr_Occurred()) { /* a negative limit admits no int: let Python say so */
-        PyErr_Clear();
-        Py_RETURN_FALSE;
-    }
-    if (!is_list_within(value, args[1]))
-        Py_RETURN_FALSE;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(value); i++) {
-        PyObject *item = PyList_GET_ITEM(value, i);
-        if (!PyLong_CheckExact(item))
-            Py_RETURN_FALSE;
-        unsigned long long v = PyLong_AsUnsignedLongLong(item);
-        if (PyErr_Occurred()) { /* negative, or above 2**64 - 1 */
-            PyErr_Clear();
-            Py_RETURN_FALSE;
-        }
-        if (v > limit)
-            Py_RETURN_FALSE;
-    }
-    Py_RETURN_TRUE;
+    Py_ssize_t max_len;
+    unsigned long long limit;
+    return PyBool_FromLong(ssize_of(args[1], &max_len) && u64_limit_of(args[2], &limit)
+                           && is_int_list_within(args[0], max_len, limit));
 }
 
 /* Whether `value` is a list of at most `max_len` bytes of 1 to `max_item_nbytes` bytes each
@@ -574,22 +607,91 @@ static PyObject *wire_is_bytes_list(PyObject *module, PyObject *const *args, Py_
 {
     if (!check_args(args, nargs, 4))
         return NULL;
-    PyObject *value = args[0];
-    Py_ssize_t max_item_nbytes = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t max_len, max_item_nbytes;
     int allow_nil = PyObject_IsTrue(args[3]); /* (an int: no Python code runs) */
-    if (PyErr_Occurred() || !is_list_within(value, args[1])) {
-        PyErr_Clear(); /* (a limit beyond Py_ssize_t: let Python decide) */
-        Py_RETURN_FALSE;
+    return PyBool_FromLong(ssize_of(args[1], &max_len) && ssize_of(args[2], &max_item_nbytes)
+                           && is_bytes_list_within(args[0], max_len, max_item_nbytes, allow_nil));
+}
+
+/* kvd/protocol.py's argument fields: (name, kind, is_required, a, b, allow_nil). */
+enum { ARG_INT = 0, ARG_INT_LIST = 1, ARG_BYTES_LIST = 2 };
+
+/* Whether `value` passes `field`'s check (see args_of in kvd/protocol.py). */
+static int passes(PyObject *value, PyObject *const *field)
+{
+    long kind = PyLong_AsLong(field[1]);
+    Py_ssize_t max_len, max_item_nbytes;
+    unsigned long long limit = UINT64_MAX;
+    switch (kind) {
+    case ARG_INT: {
+        int overflow;
+        if (!PyLong_CheckExact(value))
+            return 0;
+        long long v = PyLong_AsLongLongAndOverflow(value, &overflow), lo, hi;
+        if (overflow || (v == -1 && PyErr_Occurred()))
+            break;
+        lo = PyLong_AsLongLongAndOverflow(field[3], &overflow);
+        if (overflow || (lo == -1 && PyErr_Occurred()) || v < lo)
+            break;
+        if (field[4] == Py_None)
+            return 1;
+        hi = PyLong_AsLongLongAndOverflow(field[4], &overflow);
+        return !overflow && !(hi == -1 && PyErr_Occurred()) && v <= hi;
     }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(value); i++) {
-        PyObject *item = PyList_GET_ITEM(value, i);
-        if (item == Py_None && allow_nil)
-            continue;
-        if (!PyBytes_CheckExact(item) || PyBytes_GET_SIZE(item) == 0
-                || PyBytes_GET_SIZE(item) > max_item_nbytes)
-            Py_RETURN_FALSE;
+    case ARG_INT_LIST:
+        return ssize_of(field[3], &max_len)
+               && (field[4] == Py_None || u64_limit_of(field[4], &limit))
+               && is_int_list_within(value, max_len, limit);
+    case ARG_BYTES_LIST:
+        return ssize_of(field[3], &max_len) && ssize_of(field[4], &max_item_nbytes)
+               && is_bytes_list_within(value, max_len, max_item_nbytes, field[5] == Py_True);
     }
-    Py_RETURN_TRUE;
+    PyErr_Clear();
+    return 0;
+}
+
+/* args_of(args, schema): the values of `args` in the schema's order (None for an absent optional
+   field), when every field passes and nothing else is there; None otherwise (the Python validators
+   then name what is wrong). */
+static PyObject *wire_args_of(PyObject *module, PyObject *const *argv, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "expected 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *args = argv[0], *schema = argv[1];
+    if (!PyDict_CheckExact(args) || !PyTuple_CheckExact(schema))
+        Py_RETURN_NONE;
+    Py_ssize_t num_fields = PyTuple_GET_SIZE(schema), num_found = 0;
+    PyObject *values = PyTuple_New(num_fields);
+    if (values == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < num_fields; i++) {
+        PyObject *field = PyTuple_GET_ITEM(schema, i);
+        if (!PyTuple_CheckExact(field) || PyTuple_GET_SIZE(field) != 6
+                || !PyUnicode_CheckExact(PyTuple_GET_ITEM(field, 0))
+                || !PyLong_CheckExact(PyTuple_GET_ITEM(field, 1)))
+            goto decline;
+        PyObject *const *parts = &PyTuple_GET_ITEM(field, 0);
+        PyObject *value = PyDict_GetItemWithError(args, parts[0]);
+        if (value == NULL) {
+            if (PyErr_Occurred() || parts[2] != Py_False)  /* required (or a key that raised) */
+                goto decline;
+            value = Py_None;
+        } else {
+            num_found++;
+            if (!passes(value, parts))
+                goto decline;
+        }
+        Py_INCREF(value);
+        PyTuple_SET_ITEM(values, i, value);
+    }
+    if (num_found == PyDict_GET_SIZE(args))  /* every argument is a field: none extra */
+        return values;
+decline:
+    PyErr_Clear();
+    Py_DECREF(values);
+    Py_RETURN_NONE;
 }
 
 /* ---- the journal's records: kvd/journal.py's _records and _LogState.settle, per commit ----- */
@@ -823,6 +925,9 @@ static PyMethodDef wire_methods[] = {
     {"is_int_list", (PyCFunction)(void (*)(void))wire_is_int_list, METH_FASTCALL,
      "is_int_list(value, max_len, limit) -> bool: a list of at most max_len ints in [0, limit] "
      "(False: arg_int_list raises the error)"},
+    {"args_of", (PyCFunction)(void (*)(void))wire_args_of, METH_FASTCALL,
+     "args_of(args, schema) -> tuple | None: kvd.protocol.args_of's values, or None for anything "
+     "its validators must look at"},
     {"is_bytes_list", (PyCFunction)(void (*)(void))wire_is_bytes_list, METH_FASTCALL,
      "is_bytes_list(value, max_len, max_item_nbytes, allow_nil) -> bool: a list of at most "
      "max_len binary strings of 1 to max_item_nbytes bytes (False: arg_bytes_list raises)"},

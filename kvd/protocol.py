@@ -46,7 +46,8 @@ frames, `FrameEncoder.frame` and the list validators likewise try C first. Toget
 module was not built, or with KVD_PURE_PYTHON=1 in the environment, only the Python path runs.
 
 The `arg_*` validators are what op handlers call on `args`; each raises BadArgsError naming the
-argument and the type or range it expected. msgpack hands back exact `int`, `bytes`, `str`,
+argument and the type or range it expected. `args_of` runs them over a schema of fields (the hot
+ops' arguments), after one C call that answers for the common request. msgpack hands back exact `int`, `bytes`, `str`,
 `list`, `dict` objects, so the checks use `type(x) is T` (which also keeps `True` out of ints).
 """
 
@@ -462,8 +463,58 @@ def check_no_extra(args: dict[str, Any], allowed: Collection[str]) -> None:
     """Raise BadArgsError naming any argument not in `allowed`."""
     for key in args:  # a loop over a few keys: half the cost of building a set per request
         if key not in allowed:
-            extra = set(args).difference(allowed)
-            raise BadArgsError(f"unknown arguments {sorted(extra)}; valid: {sorted(allowed)}")
+            extra = set(args).difference(allowed)  # (sorted by str: in process, keys may be any)
+            raise BadArgsError(f"unknown arguments {sorted(extra, key=str)}; "
+                               f"valid: {sorted(allowed)}")
+
+
+# A hot op's arguments as one schema, a tuple of fields, so that the common request is checked
+# in one C call (kvd/_wire.c's args_of) instead of a validator call per argument: a field is
+# (name, kind, is_required, a, b, allow_nil), with a and b the limits of its arg_* validator.
+ARG_INT, ARG_INT_LIST, ARG_BYTES_LIST = 0, 1, 2
+ArgField = tuple[str, int, bool, int, "int | None", bool]
+
+
+def int_field(name: str, min_value: int, max_value: int | None) -> ArgField:
+    """A required `arg_int` argument."""
+    return (name, ARG_INT, True, min_value, max_value, False)
+
+
+def int_list_field(name: str, max_len: int, max_value: int | None,
+                   is_required: bool = True) -> ArgField:
+    """An `arg_int_list` argument (absent optional ones are None)."""
+    return (name, ARG_INT_LIST, is_required, max_len, max_value, False)
+
+
+def bytes_list_field(name: str, max_len: int, max_item_nbytes: int, is_required: bool = True,
+                     allow_nil: bool = False) -> ArgField:
+    """An `arg_bytes_list` argument (absent optional ones are None)."""
+    return (name, ARG_BYTES_LIST, is_required, max_len, max_item_nbytes, allow_nil)
+
+
+def args_of(args: dict[str, Any], schema: tuple[ArgField, ...]) -> tuple[Any, ...]:
+    """The values of `args`, in `schema`'s order (None for an absent optional field).
+
+    Raises BadArgsError as `check_no_extra` and the fields' arg_* validators do, in the
+    schema's order. kvd/_wire.c answers first when it can: it returns the values only when every
+    one of those checks passes, None otherwise.
+    """
+    if _wire is not None:
+        values = _wire.args_of(args, schema)
+        if values is not None:
+            return values
+    check_no_extra(args, [field[0] for field in schema])
+    found = []
+    for name, kind, is_required, a, b, allow_nil in schema:
+        if not is_required and name not in args:
+            found.append(None)
+        elif kind == ARG_INT:
+            found.append(arg_int(args, name, a, b))
+        elif kind == ARG_INT_LIST:
+            found.append(arg_int_list(args, name, a, b))
+        else:
+            found.append(arg_bytes_list(args, name, a, b, allow_nil))
+    return tuple(found)
 
 
 def _describe(value: Any) -> str:

@@ -357,6 +357,104 @@ def test_bytes_list_edge_cases(value: Any) -> None:
             protocol.arg_bytes_list, value, 8, 16, allow_nil)
 
 
+# ---- args_of: a hot op's schema in one call ---------------------------------------------------
+SCHEMAS = [  # the Service's own (kvd/service.py), and limits either side of them
+    (protocol.int_field("num_blocks", 0, 8),),
+    (protocol.int_list_field("block_ids", 4, 7), protocol.bytes_list_field("hashes", 4, 16),
+     protocol.bytes_list_field("parents", 4, 16, is_required=False, allow_nil=True),
+     protocol.int_list_field("tiers", 4, 1, is_required=False)),
+    (protocol.bytes_list_field("hashes", 4, 16),),
+    (protocol.int_list_field("block_ids", 4, None),),
+    (protocol.int_field("num_blocks", -3, None), protocol.int_list_field("tiers", 0, 0)),
+    (),
+]
+NAMES = ["num_blocks", "block_ids", "hashes", "parents", "tiers", "extra"]
+arg_values = st.one_of(list_items, st.lists(list_items, max_size=6), st.lists(ints, max_size=6),
+                       st.lists(st.integers(min_value=0, max_value=9), max_size=6),
+                       st.lists(st.binary(min_size=1, max_size=17) | st.none(), max_size=6),
+                       st.dictionaries(st.text(max_size=2), ints, max_size=2))
+
+
+def python_args_of(args: Any, schema: Any) -> Any:
+    """kvd.protocol.args_of with C switched off: its values, or the KvdError it raised."""
+    protocol.use_c(False)
+    try:
+        return protocol.args_of(args, schema)
+    except KvdError as exc:
+        return exc
+    finally:
+        protocol.use_c(True)
+
+
+@needs_wire
+@in_use
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from(SCHEMAS),
+       st.dictionaries(st.sampled_from(NAMES) | st.integers(0, 2), arg_values, max_size=5))
+def test_args_of_in_c_answers_only_what_the_validators_accept(schema: Any, args: Any) -> None:
+    values, expected = wire.args_of(args, schema), python_args_of(args, schema)
+    if values is not None:
+        assert type(expected) is tuple and len(values) == len(expected)
+        assert all(a is b for a, b in zip(values, expected))  # the very objects, not copies
+        assert protocol.args_of(args, schema) == values
+
+
+@needs_wire
+@in_use
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 8), st.lists(st.integers(0, 7), max_size=4),
+       st.lists(st.binary(min_size=1, max_size=16), max_size=4), st.booleans(), st.booleans())
+def test_args_of_in_c_answers_every_valid_hot_request(num_blocks: int, block_ids: list[int],
+                                                      hashes: list[bytes], with_parents: bool,
+                                                      with_tiers: bool) -> None:
+    """The common requests are answered in C (so the contract above cannot hold by declining)."""
+    seal = {"block_ids": block_ids, "hashes": hashes}
+    if with_parents:
+        seal["parents"] = [None] + hashes[1:]
+    if with_tiers:
+        seal["tiers"] = [len(hashes) % 2] * len(hashes)
+    for schema, args in ((SCHEMAS[0], {"num_blocks": num_blocks}), (SCHEMAS[1], seal),
+                         (SCHEMAS[2], {"hashes": hashes}), (SCHEMAS[3], {"block_ids": block_ids})):
+        values = wire.args_of(args, schema)
+        assert values is not None and values == python_args_of(args, schema)
+
+
+@needs_wire
+@in_use
+@pytest.mark.parametrize("args", [{"num_blocks": True}, {"num_blocks": 9}, {"num_blocks": -1},
+                                  {"num_blocks": 2**64}, {"num_blocks": 1, "x": 1}, {},
+                                  {1: 1, "num_blocks": 1}, {"num_blocks": 1.0}])
+def test_args_of_declines_and_the_validators_name_the_argument(args: Any) -> None:
+    assert wire.args_of(args, SCHEMAS[0]) is None
+    error = python_args_of(args, SCHEMAS[0])
+    assert isinstance(error, KvdError) and error.code == "BAD_ARGS"
+    assert "num_blocks" in str(error) or "unknown arguments" in str(error)
+
+
+@needs_wire
+@in_use
+@pytest.mark.parametrize("change", [
+    {"hashes": [None]}, {"hashes": [b""]}, {"hashes": [b"x" * 17]}, {"hashes": [b"x"] * 5},
+    {"block_ids": [8]}, {"block_ids": [True]}, {"block_ids": [-1]}, {"block_ids": (1,)},
+    {"parents": [b""]}, {"parents": [1]}, {"tiers": [2]}, {"tiers": [None]}, {"extra": 1}])
+def test_args_of_declines_one_bad_field_of_a_seal(change: dict[str, Any]) -> None:
+    """A valid seal with one field made bad: declined in C, refused by the validators."""
+    args = {"block_ids": [1], "hashes": [b"x"], "parents": [None], "tiers": [0], **change}
+    assert wire.args_of(args, SCHEMAS[1]) is None
+    assert isinstance(python_args_of(args, SCHEMAS[1]), KvdError)
+
+
+@needs_wire
+def test_args_of_declines_malformed_schemas_and_args() -> None:
+    for schema in ([("num_blocks", 0, True, 0, 8, False)], (("num_blocks", 0, True),),
+                   ((b"num_blocks", 0, True, 0, 8, False),), (("num_blocks", 9, True, 0, 8, False),),
+                   (("num_blocks", 0, True, "0", 8, False),)):
+        assert wire.args_of({"num_blocks": 1}, schema) is None
+    assert wire.args_of([("num_blocks", 1)], SCHEMAS[0]) is None
+    with pytest.raises(TypeError):
+        wire.args_of({})
+
+
 # ---- the journal's records (kvd/journal.py's _records and _LogState.settle) ------------------
 def python_records(evictions: Any, seals: Any, first_seal_seq: Any) -> tuple[int, bytes] | None:
     try:

@@ -409,8 +409,9 @@ class Daemon:
             return
         chunk, session = self._recv_view[:nbytes], connection.session
         requests = connection.decoder.requests(chunk)  # the usual chunk, decoded in C
-        if requests is not None:
-            replies = [self._reply(session, None, request) for request in requests]
+        if requests is not None:  # (and the usual one request without a comprehension's frame)
+            replies = ([self._reply(session, None, requests[0])] if len(requests) == 1 else
+                       [self._reply(session, None, request) for request in requests])
         else:
             try:
                 bodies = connection.decoder.feed(chunk)
@@ -423,10 +424,22 @@ class Daemon:
         if self.journal is not None and self.journal.num_seals_pending:
             connection.pending += replies  # held for this iteration's commit
             self._replied.add(connection)
-        elif len(replies) == 1:  # nothing uncommitted exists, so no reply can reveal it
-            self._send(connection, replies[0][1])
-        else:
-            self._send(connection, b"".join([reply for _, reply, _ in replies]))
+            return
+        # Nothing uncommitted exists, so no reply can reveal it: out they go.
+        data = replies[0][1] if len(replies) == 1 else b"".join([r for _, r, _ in replies])
+        if connection.output:
+            self._send(connection, data)
+            return
+        try:  # _send's common case inline: a frame less per request is 0.3-0.4 us here
+            sent = connection.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            self._close(connection, f"send failed: {exc}")
+            return
+        if sent != len(data):
+            connection.output += data[sent:]
+            self._flush(connection)
 
     def _reply(self, session: Session, body: bytes | None,
                request: tuple[int, str, dict[str, Any]] | None = None

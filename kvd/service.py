@@ -87,7 +87,8 @@ class Service:
         self.started_at = time.time()
         self.counters = {"sessions_opened": 0, "sessions_closed": 0, "journal_commits": 0,
                          "journal_failures": 0}
-        # The hot ops: (schema, whether it writes, handler of the schema's values).
+        # The hot ops: (schema, whether it writes, handler of the schema's values then the
+        # session's owner id: the pool's own methods where nothing else is to do, no frame between).
         block_ids = int_list_field("block_ids", MAX_BATCH, pool.num_blocks - 1)
         # kvd.hash_blocks makes 16-byte hashes; MAX_KEY_NBYTES leaves room for other digests.
         hashes = bytes_list_field("hashes", MAX_BATCH, MAX_KEY_NBYTES)
@@ -101,9 +102,9 @@ class Service:
                                        allow_nil=True),
                       int_list_field("tiers", MAX_BATCH, len(TIER_NAMES) - 1, is_required=False)),
                      True, self._seal),
-            "lookup": ((hashes,), False, self._lookup),
-            "release": ((block_ids,), False, self._release),
-            "pin": ((block_ids,), False, self._pin),
+            "lookup": ((hashes,), False, pool.lookup),
+            "release": ((block_ids,), False, pool.release),
+            "pin": ((block_ids,), False, pool.pin),
         }
         self._ops: dict[str, Callable[[Session, dict[str, Any]], Any]] = {
             "hello": self._hello, "stats": self._stats, "seq_open": self._seq_open,
@@ -140,7 +141,7 @@ class Service:
             schema, writes, handler = hot
             if writes and self.write_error is not None:
                 self._check_writable()
-            return handler(session, *args_of(args, schema))
+            return handler(*args_of(args, schema), session.session_id)
         handler = self._ops.get(op)
         if handler is None and hot is None:
             raise UnknownOpError(f"unknown op {op!r}: valid ops are "
@@ -165,24 +166,15 @@ class Service:
             raise JournalError(f"the daemon refuses allocations and seals until its journal can "
                                f"be written again ({self.write_error}); lookups and reads go on")
 
-    def _alloc(self, session: Session, num_blocks: int) -> list[int]:
-        block_ids = self.pool.allocate(num_blocks, session.session_id)
+    def _alloc(self, num_blocks: int, owner: int) -> list[int]:
+        block_ids = self.pool.allocate(num_blocks, owner)
         if block_ids is None:
             raise NoSpaceError(self.page_table._no_space(num_blocks))
         return block_ids
 
-    def _seal(self, session: Session, block_ids: list[int], hashes: list[bytes],
-              parents: list[bytes | None] | None, tiers: list[int] | None) -> list[bool]:
-        return self.pool.seal(block_ids, hashes, session.session_id, parents, tiers)
-
-    def _lookup(self, session: Session, hashes: list[bytes]) -> list[int]:
-        return self.pool.lookup(hashes, session.session_id)
-
-    def _release(self, session: Session, block_ids: list[int]) -> None:
-        self.pool.release(block_ids, session.session_id)
-
-    def _pin(self, session: Session, block_ids: list[int]) -> None:
-        self.pool.pin(block_ids, session.session_id)
+    def _seal(self, block_ids: list[int], hashes: list[bytes], parents: list[bytes | None] | None,
+              tiers: list[int] | None, owner: int) -> list[bool]:
+        return self.pool.seal(block_ids, hashes, owner, parents, tiers)
 
     def _shutdown(self, session: Session, args: dict[str, Any]) -> None:
         check_no_extra(args, ("keep",))

@@ -341,7 +341,10 @@ class Daemon:
                 log.exception("internal error in %s", handler.__name__)
                 if connection is not None:
                     self._close(connection, "internal error")
-        self._commit_and_reply()
+        if self._replied or self.service.write_error is not None:
+            # (Otherwise nothing waits: seals only come with held replies, and the journal's
+            # upkeep is only due after a commit; a failed journal retries on its timer.)
+            self._commit_and_reply()
         # The replies are out: while the clients think, ask the policy for the next victim of
         # a full pool, a third of the next allocation's eviction (kvd/pool.py).
         self.service.pool.choose_next_victim()

@@ -91,24 +91,26 @@ class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
             if packed is None or not packed & IN_MAIN:  # a pinned M key moves when released
                 super().accessed(key)  # a key in S: its counter earns promotion
 
+    def hit_evictable(self, key: Hashable) -> None:
+        # accessed() then removed(): an M key's move to the end would be undone by its removal
+        # at once, so only S keys have a reward to keep (their counter). Not S3FIFO's one-key
+        # hit_evictable_many: most lookups hit one block, and its loop's setup was half the cost.
+        count = self._small.pop(key, None)
+        if count is None:
+            self._pinned[key] = self._main.pop(key) | IN_MAIN
+        else:  # (a branch, not min(): a builtin call per key is measurable at batch 256)
+            self._pinned[key] = count + 1 if count < MAX_FREQUENCY else count
+
     def hit_evictable_many(self, keys: Sequence[Hashable]) -> None:
-        # accessed() then removed() per key: an M key's move to the end would be undone by its
-        # removal at once, so only S keys have a reward to keep (their counter).
-        small, main, pinned = self._small, self._main, self._pinned
         loops, position, end = self._loops, 0, len(keys)
         while position < end:
-            if loops is not None:  # (M's counters are not counted here)
-                position = loops.hit_run(keys, position, small, main, pinned, IN_MAIN,
-                                         MAX_FREQUENCY, False)
+            if loops is not None:  # hit_evictable's work (M's counters are not counted here)
+                position = loops.hit_run(keys, position, self._small, self._main, self._pinned,
+                                         IN_MAIN, MAX_FREQUENCY, False)
                 if position == end:
                     break
-            key = keys[position]
+            self.hit_evictable(keys[position])  # (where C declines, or is not built)
             position += 1
-            count = small.pop(key, None)
-            if count is None:
-                pinned[key] = main.pop(key) | IN_MAIN
-            else:  # (a branch, not min(): a builtin call per key is measurable at batch 256)
-                pinned[key] = count + 1 if count < MAX_FREQUENCY else count
 
     def victim(self) -> Hashable | None:
         if self._loops is None:

@@ -412,12 +412,15 @@ class BlockPool:
         already did, this one stays a private read-only duplicate).
         Raises (changing nothing): BadArgsError, NotFoundError (not held), InUseError (not OWNED).
         """
-        self._check_seal_hints(len(block_ids), keys, parents, tiers)
+        if parents is not None or tiers is not None or len(keys) != len(block_ids):
+            self._check_seal_hints(len(block_ids), keys, parents, tiers)
         held, state, num_blocks = self._held.get(owner, {}), self._state, self.num_blocks
         loops = self._loops
-        # Validate everything before changing anything (the C loop vouches for a prefix).
+        # Validate everything before changing anything (the C loop vouches for a prefix, the
+        # usual whole of it: then no iterators are built for the rest).
         start = 0 if loops is None else loops.first_unsealable(block_ids, keys, held, state)
-        for block_id, key in islice(zip(block_ids, keys), start, None):
+        for block_id, key in () if start == len(block_ids) else islice(zip(block_ids, keys),
+                                                                         start, None):
             if type(block_id) is not int or not 0 <= block_id < num_blocks:
                 self._checked_id(block_id)  # raises, naming the problem
             if block_id not in held:

@@ -188,6 +188,8 @@ class BlockPool:
         self._first_child = array("i", [NO_BLOCK]) * num_blocks
         self._next_sibling = array("i", [NO_BLOCK]) * num_blocks
         self._prev_sibling = array("i", [NO_BLOCK]) * num_blocks
+        # (the prefix tree's four tables as the C loops take them, built once: never reassigned)
+        self._links = (self._parent, self._first_child, self._next_sibling, self._prev_sibling)
         self._is_orphan = bytearray(num_blocks)
         self._is_duplicate = bytearray(num_blocks)
         self._index: dict[Hashable, int] = {}
@@ -292,8 +294,7 @@ class BlockPool:
                         num_blocks - len(free), self.policy.victim,
                         None if self.observer is None else self.observer.evicted, freed,
                         self._index, self._state, self._hashes, self._tier, self._is_orphan,
-                        self._is_duplicate, self._refs, self._generations,
-                        (self._parent, self._first_child, self._next_sibling, self._prev_sibling))
+                        self._is_duplicate, self._refs, self._generations, self._links)
                 finally:  # (freed blocks go on the stack even if the journal raised)
                     free.extend(freed)
                     self.counters["evictions"] += len(freed)
@@ -434,7 +435,7 @@ class BlockPool:
             raise BadArgsError("seal names the same block twice")
         hashes, index, tier_of = self._hashes, self._index, self._tier
         is_duplicate = self._is_duplicate
-        links = (self._parent, self._first_child, self._next_sibling, self._prev_sibling)
+        links = self._links
         indexed: list[bool] = []  # per block: newly indexed
         position, end = 0, len(block_ids)
         while position < end:
@@ -698,9 +699,7 @@ class BlockPool:
         parents, is_orphan, hashes, tiers = self._parent, self._is_orphan, self._hashes, self._tier
         if self._loops is not None and type(block_ids) is list:
             rows = self._loops.journal_rows(block_ids, is_orphan, hashes, tiers,
-                                            self._generations, (parents, self._first_child,
-                                                                self._next_sibling,
-                                                                self._prev_sibling))
+                                            self._generations, self._links)
             if rows is not None:
                 return rows
         generation = self.generations.item  # a Python int at half the cost of int(a[i])

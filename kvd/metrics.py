@@ -6,7 +6,8 @@ objects are built when a scrape arrives, on the HTTP server's thread. That keeps
 cost of metrics a small fraction of a microsecond, where observing a prometheus_client Histogram
 per request would cost several (bench/request_path.py measures the request path). Reads from the
 scrape thread are plain reads under the GIL: a scrape may see one request half-counted, never a
-torn value."""
+torn value.
+"""
 
 from __future__ import annotations
 

@@ -516,12 +516,18 @@ static PyObject *wire_frame(PyObject *module, PyObject *obj)
 
 /* The arguments of a check, positional (METH_FASTCALL: a batch-1 request cannot afford
    PyArg_ParseTuple's tuple): 0 when they are not as documented, with TypeError set. */
+static int check_count(Py_ssize_t nargs, Py_ssize_t expected)
+{
+    if (nargs == expected)
+        return 1;
+    PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", expected, nargs);
+    return 0;
+}
+
 static int check_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expected)
 {
-    if (nargs != expected) {
-        PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", expected, nargs);
+    if (!check_count(nargs, expected))
         return 0;
-    }
     for (Py_ssize_t i = 1; i < nargs; i++)
         if (!PyLong_Check(args[i])) {
             PyErr_SetString(PyExc_TypeError, "the limits must be ints");
@@ -650,48 +656,113 @@ static int passes(PyObject *value, PyObject *const *field)
     return 0;
 }
 
-/* args_of(args, schema): the values of `args` in the schema's order (None for an absent optional
-   field), when every field passes and nothing else is there; None otherwise (the Python validators
-   then name what is wrong). */
-static PyObject *wire_args_of(PyObject *module, PyObject *const *argv, Py_ssize_t nargs)
+/* The most fields a hot op's schema has (kvd/service.py's seal has four). */
+#define MAX_HOT_FIELDS 8
+
+/* The values of `args` in `schema`'s order (None for an absent optional field), as new
+   references in values[0 .. return value), when every field passes and nothing else is there;
+   -1 otherwise, with no error set and nothing held (the Python validators then name what is
+   wrong). */
+static Py_ssize_t hot_values(PyObject *args, PyObject *schema, PyObject **values)
 {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "expected 2 arguments, got %zd", nargs);
-        return NULL;
-    }
-    PyObject *args = argv[0], *schema = argv[1];
-    if (!PyDict_CheckExact(args) || !PyTuple_CheckExact(schema))
-        Py_RETURN_NONE;
-    Py_ssize_t num_fields = PyTuple_GET_SIZE(schema), num_found = 0;
-    PyObject *values = PyTuple_New(num_fields);
-    if (values == NULL)
-        return NULL;
-    for (Py_ssize_t i = 0; i < num_fields; i++) {
+    if (!PyDict_CheckExact(args) || !PyTuple_CheckExact(schema)
+            || PyTuple_GET_SIZE(schema) > MAX_HOT_FIELDS)
+        return -1;
+    Py_ssize_t num_fields = PyTuple_GET_SIZE(schema), num_found = 0, i = 0;
+    for (; i < num_fields; i++) {
         PyObject *field = PyTuple_GET_ITEM(schema, i);
         if (!PyTuple_CheckExact(field) || PyTuple_GET_SIZE(field) != 6
                 || !PyUnicode_CheckExact(PyTuple_GET_ITEM(field, 0))
                 || !PyLong_CheckExact(PyTuple_GET_ITEM(field, 1)))
-            goto decline;
+            break;
         PyObject *const *parts = &PyTuple_GET_ITEM(field, 0);
         PyObject *value = PyDict_GetItemWithError(args, parts[0]);
         if (value == NULL) {
             if (PyErr_Occurred() || parts[2] != Py_False)  /* required (or a key that raised) */
-                goto decline;
+                break;
             value = Py_None;
         } else {
             num_found++;
             if (!passes(value, parts))
-                goto decline;
+                break;
         }
         Py_INCREF(value);
-        PyTuple_SET_ITEM(values, i, value);
+        values[i] = value;
     }
-    if (num_found == PyDict_GET_SIZE(args))  /* every argument is a field: none extra */
-        return values;
-decline:
+    if (i == num_fields && num_found == PyDict_GET_SIZE(args))  /* none missing, none extra */
+        return num_fields;
     PyErr_Clear();
-    Py_DECREF(values);
+    while (i > 0)
+        Py_DECREF(values[--i]);
+    return -1;
+}
+
+/* args_of(args, schema): kvd.protocol.args_of's values as a tuple, or None for anything its
+   validators must look at. */
+static PyObject *wire_args_of(PyObject *module, PyObject *const *argv, Py_ssize_t nargs)
+{
+    if (!check_count(nargs, 2))
+        return NULL;
+    PyObject *values[MAX_HOT_FIELDS];
+    Py_ssize_t num_values = hot_values(argv[0], argv[1], values);
+    if (num_values < 0)
+        Py_RETURN_NONE;
+    PyObject *tuple = PyTuple_New(num_values);
+    for (Py_ssize_t i = 0; i < num_values; i++) {
+        if (tuple == NULL)
+            Py_DECREF(values[i]);
+        else
+            PyTuple_SET_ITEM(tuple, i, values[i]);
+    }
+    return tuple;
+}
+
+/* kvd.protocol.args_of, which call_hot runs for what hot_values declines (set_validators). */
+static PyObject *validators = NULL;
+
+static PyObject *wire_set_validators(PyObject *module, PyObject *callable)
+{
+    Py_INCREF(callable);
+    Py_XSETREF(validators, callable);
     Py_RETURN_NONE;
+}
+
+/* call_hot(handler, args, schema, owner): handler(*args_of(args, schema), owner), the values on
+   the C stack: no tuple, and no frame of Python between the Service and the handler. What
+   hot_values declines goes to the validators, which raise the error (or, where they accept what
+   C could not tell, return the values). */
+static PyObject *wire_call_hot(PyObject *module, PyObject *const *argv, Py_ssize_t nargs)
+{
+    if (!check_count(nargs, 4))
+        return NULL;
+    PyObject *stack[MAX_HOT_FIELDS + 1];
+    Py_ssize_t num_values = hot_values(argv[1], argv[2], stack);
+    if (num_values >= 0) {
+        stack[num_values] = argv[3];
+        PyObject *result = PyObject_Vectorcall(argv[0], stack, num_values + 1, NULL);
+        for (Py_ssize_t i = 0; i < num_values; i++)
+            Py_DECREF(stack[i]);
+        return result;
+    }
+    if (validators == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "call_hot: set_validators was never called");
+        return NULL;
+    }
+    PyObject *values = PyObject_CallFunctionObjArgs(validators, argv[1], argv[2], NULL);
+    if (values == NULL)
+        return NULL;
+    PyObject *result = NULL;
+    if (!PyTuple_CheckExact(values) || PyTuple_GET_SIZE(values) > MAX_HOT_FIELDS) {
+        PyErr_SetString(PyExc_TypeError, "call_hot: the validators must return a tuple of fields");
+    } else {
+        num_values = PyTuple_GET_SIZE(values);
+        for (Py_ssize_t i = 0; i < num_values; i++)
+            stack[i] = PyTuple_GET_ITEM(values, i);  /* (borrowed: `values` holds them) */
+        stack[num_values] = argv[3];
+        result = PyObject_Vectorcall(argv[0], stack, num_values + 1, NULL);
+    }
+    Py_DECREF(values);
+    return result;
 }
 
 /* ---- the journal's records: kvd/journal.py's _records and _LogState.settle, per commit ----- */
@@ -928,6 +999,11 @@ static PyMethodDef wire_methods[] = {
     {"args_of", (PyCFunction)(void (*)(void))wire_args_of, METH_FASTCALL,
      "args_of(args, schema) -> tuple | None: kvd.protocol.args_of's values, or None for anything "
      "its validators must look at"},
+    {"call_hot", (PyCFunction)(void (*)(void))wire_call_hot, METH_FASTCALL,
+     "call_hot(handler, args, schema, owner) -> handler(*args_of(args, schema), owner), its "
+     "checks in C where they pass (the validators set_validators names otherwise)"},
+    {"set_validators", wire_set_validators, METH_O,
+     "set_validators(args_of): what call_hot runs for the arguments its C checks decline"},
     {"is_bytes_list", (PyCFunction)(void (*)(void))wire_is_bytes_list, METH_FASTCALL,
      "is_bytes_list(value, max_len, max_item_nbytes, allow_nil) -> bool: a list of at most "
      "max_len binary strings of 1 to max_item_nbytes bytes (False: arg_bytes_list raises)"},

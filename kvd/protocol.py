@@ -56,7 +56,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from types import ModuleType
 from typing import Any
 
@@ -109,8 +109,9 @@ def use_c(enabled: bool) -> bool:
     """Turn kvd/_wire.c on or off in this process, for the codec and the journal's records
     alike (bench/request_path.py and bench/recovery.py compare the two in one run); returns
     whether it is on, which it never is where it was not built or with KVD_PURE_PYTHON=1."""
-    global _wire
+    global _wire, call_hot
     _wire = _built_wire if enabled and not _IS_PURE_PYTHON else None
+    call_hot = _call_hot if _wire is None else _wire.call_hot
     return _wire is not None
 
 
@@ -515,6 +516,21 @@ def args_of(args: dict[str, Any], schema: tuple[ArgField, ...]) -> tuple[Any, ..
         else:
             found.append(arg_bytes_list(args, name, a, b, allow_nil))
     return tuple(found)
+
+
+def _call_hot(handler: Callable[..., Any], args: dict[str, Any], schema: tuple[ArgField, ...],
+              owner: int) -> Any:
+    """`handler(*args_of(args, schema), owner)`: a hot op's checked call (kvd/service.py).
+
+    kvd/_wire.c's call_hot is the same call with its checks in C and the values passed on its
+    stack, no frame of Python in between; `call_hot` is whichever this process runs (use_c).
+    """
+    return handler(*args_of(args, schema), owner)
+
+
+if _built_wire is not None:
+    _built_wire.set_validators(args_of)  # (what its call_hot declines: they name the error)
+call_hot = _call_hot if _wire is None else _wire.call_hot
 
 
 def _describe(value: Any) -> str:

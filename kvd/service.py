@@ -8,9 +8,9 @@ runs on the loop's one thread, so a handler is atomic with respect to every othe
 
 Each handler validates its arguments completely before it changes anything, so a bad request
 gets BAD_ARGS (or NOT_FOUND, IN_USE, NO_SPACE) and leaves the state exactly as it was. The hot
-ops (alloc, seal, lookup, release, pin: a worker's traffic) declare their arguments as a schema
-that `args_of` checks in one C call, and their handlers take the checked values; the others
-validate their own `args`.
+ops (alloc, seal, lookup, release, pin: a worker's traffic) declare their arguments as a schema,
+and `protocol.call_hot` checks a request against it and calls the handler with the checked
+values, both in one C call (kvd/_wire.c); the others validate their own `args`.
 
 Sessions: a session is one connection. It must say `hello` (protocol version) first. Its raw
 `alloc`/`lookup`/`pin` pins are held under the session's pool owner id; each sequence it opens
@@ -37,10 +37,11 @@ from kvd.hashing import HASH_VERSION
 from kvd.metrics import OpStats
 from kvd.page_table import PageTable, SequenceRecord
 from kvd.policies import TIER_NAMES, TieredPolicy
+from kvd import protocol
 from kvd.pool import BlockPool
 from kvd.protocol import (
-    PROTOCOL_VERSION, ArgField, arg_bool, arg_bytes, arg_int, args_of, bytes_list_field,
-    check_no_extra, codec, int_field, int_list_field,
+    PROTOCOL_VERSION, ArgField, arg_bool, arg_bytes, arg_int, bytes_list_field, check_no_extra,
+    codec, int_field, int_list_field,
 )
 
 MAX_BATCH = 1 << 16  # ids or hashes per request
@@ -141,7 +142,7 @@ class Service:
             schema, writes, handler = hot
             if writes and self.write_error is not None:
                 self._check_writable()
-            return handler(*args_of(args, schema), session.session_id)
+            return protocol.call_hot(handler, args, schema, session.session_id)
         handler = self._ops.get(op)
         if handler is None and hot is None:
             raise UnknownOpError(f"unknown op {op!r}: valid ops are "

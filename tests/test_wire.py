@@ -23,7 +23,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvd import journal, protocol
-from kvd.errors import KvdError
+from kvd.errors import BadArgsError, KvdError
 from kvd.protocol import (
     MAX_ARRAY_LEN, MAX_FRAME_NBYTES, MAX_MAP_LEN, MAX_OP_NBYTES, MAX_STR_NBYTES, FrameDecoder,
     FrameEncoder, parse_reply, parse_request, unpack_body,
@@ -453,6 +453,54 @@ def test_args_of_declines_malformed_schemas_and_args() -> None:
     assert wire.args_of([("num_blocks", 1)], SCHEMAS[0]) is None
     with pytest.raises(TypeError):
         wire.args_of({})
+
+
+def python_call_hot(args: Any, schema: Any) -> Any:
+    """kvd.protocol.call_hot with C switched off, into a handler that returns what it got."""
+    protocol.use_c(False)
+    try:
+        return protocol.call_hot(lambda *values: values, args, schema, 7)
+    except KvdError as exc:
+        return exc
+    finally:
+        protocol.use_c(True)
+
+
+@needs_wire
+@in_use
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from(SCHEMAS),
+       st.dictionaries(st.sampled_from(NAMES) | st.integers(0, 2), arg_values, max_size=5))
+def test_call_hot_in_c_calls_the_handler_as_the_python_does(schema: Any, args: Any) -> None:
+    """The same objects reach the handler, then the owner; or the validators' very error."""
+    expected = python_call_hot(args, schema)
+    try:
+        got = wire.call_hot(lambda *values: values, args, schema, 7)
+    except KvdError as exc:
+        got = exc
+    if isinstance(expected, KvdError):
+        assert (type(got), str(got)) == (type(expected), str(expected))
+    else:
+        assert type(got) is tuple and len(got) == len(expected) and got[-1] == 7
+        assert all(a is b for a, b in zip(got, expected))
+
+
+@needs_wire
+@in_use
+def test_call_hot_passes_the_handlers_result_and_errors_through_and_holds_nothing() -> None:
+    block_ids = [1, 2]
+    args = {"block_ids": block_ids}
+    before = sys.getrefcount(block_ids)
+    for _ in range(100):
+        assert wire.call_hot(lambda ids, owner: (len(ids), owner), args, SCHEMAS[3], 5) == (2, 5)
+        with pytest.raises(ZeroDivisionError):
+            wire.call_hot(lambda ids, owner: 1 / 0, args, SCHEMAS[3], 5)
+        with pytest.raises(BadArgsError, match="block_ids"):  # declined: the validators raise
+            wire.call_hot(lambda ids, owner: None, {"block_ids": "x"}, SCHEMAS[3], 5)
+    assert sys.getrefcount(block_ids) == before
+    assert protocol.call_hot is wire.call_hot
+    with pytest.raises(TypeError, match="expected 4 arguments"):
+        wire.call_hot(print, args, SCHEMAS[3])
 
 
 # ---- the journal's records (kvd/journal.py's _records and _LogState.settle) ------------------

@@ -375,15 +375,20 @@ arg_values = st.one_of(list_items, st.lists(list_items, max_size=6), st.lists(in
                        st.dictionaries(st.text(max_size=2), ints, max_size=2))
 
 
-def python_args_of(args: Any, schema: Any) -> Any:
-    """kvd.protocol.args_of with C switched off: its values, or the KvdError it raised."""
+def without_c(call: Any) -> Any:
+    """`call()` with kvd/_wire.c switched off: its result, or the KvdError it raised."""
     protocol.use_c(False)
     try:
-        return protocol.args_of(args, schema)
+        return call()
     except KvdError as exc:
         return exc
     finally:
         protocol.use_c(True)
+
+
+def python_args_of(args: Any, schema: Any) -> Any:
+    """kvd.protocol.args_of's values, or its error, in Python."""
+    return without_c(lambda: protocol.args_of(args, schema))
 
 
 @needs_wire
@@ -456,14 +461,8 @@ def test_args_of_declines_malformed_schemas_and_args() -> None:
 
 
 def python_call_hot(args: Any, schema: Any) -> Any:
-    """kvd.protocol.call_hot with C switched off, into a handler that returns what it got."""
-    protocol.use_c(False)
-    try:
-        return protocol.call_hot(lambda *values: values, args, schema, 7)
-    except KvdError as exc:
-        return exc
-    finally:
-        protocol.use_c(True)
+    """kvd.protocol.call_hot in Python, into a handler that returns what it got (or its error)."""
+    return without_c(lambda: protocol.call_hot(lambda *values: values, args, schema, 7))
 
 
 @needs_wire

@@ -28,29 +28,7 @@ position, as in Python.
         the whole of victim(), which has no uncommon case: kvd's policy passes its main ghost
         and its count of S's evictions, which numbers its S ghosts.
 */
-#include "../_runs.h"  /* (Python.h, check_nargs, start_of) */
-
-/* A queue value or packed pin: a small non-negative exact int, else -1. */
-static long small_int(PyObject *value)
-{
-    if (!PyLong_CheckExact(value))
-        return -1;
-    long number = PyLong_AsLong(value);
-    if (number == -1 && PyErr_Occurred())
-        PyErr_Clear();
-    return number;
-}
-
-/* queue[key] = number (an OrderedDict: its order kept). */
-static int store(PyObject *queue, PyObject *key, long number)
-{
-    PyObject *value = PyLong_FromLong(number);
-    if (value == NULL)
-        return -1;
-    int status = PyODict_SetItem(queue, key, value);
-    Py_DECREF(value);
-    return status;
-}
+#include "_s3fifo_keys.h"  /* (Python.h, check_nargs, start_of; the one-key events) */
 
 static PyObject *s3fifo_insert_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -66,38 +44,15 @@ static PyObject *s3fifo_insert_run(PyObject *module, PyObject *const *args, Py_s
     long in_main = PyLong_AsLong(args[6]);
     if (in_main == -1 && PyErr_Occurred())
         return NULL;
-    if (!PyDict_CheckExact(pinned) || !PyODict_CheckExact(small) || !PyODict_CheckExact(main)
-            || !PyTuple_CheckExact(ghosts))
+    if (!queues_fit(pinned, small, main, ghosts))
         return PyLong_FromSsize_t(position);
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ghosts); i++)
-        if (!PyDict_Check(PyTuple_GET_ITEM(ghosts, i)))
-            return PyLong_FromSsize_t(position);
     for (; position < count; position++) {
-        PyObject *key = PyList_GET_ITEM(keys, position);
-        if (!PyBytes_CheckExact(key))
-            break;
-        PyObject *packed_value = PyDict_GetItemWithError(pinned, key);  /* borrowed */
-        if (packed_value == NULL) {
-            if (PyErr_Occurred())
-                return NULL;
-            int is_ghost = 0;
-            for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ghosts) && !is_ghost; i++)
-                is_ghost = PyDict_Contains(PyTuple_GET_ITEM(ghosts, i), key);
-            if (is_ghost < 0)
-                return NULL;
-            if (is_ghost)
-                break;  /* admitted to M, and kvd's policy adapts: the policy's own code */
-            if (store(small, key, 0) < 0)
-                return NULL;
-            continue;
-        }
-        long packed = small_int(packed_value);
-        if (packed < 0)
-            break;
-        if (PyDict_DelItem(pinned, key) < 0)
+        int done = insert_key(PyList_GET_ITEM(keys, position), pinned, small, main, ghosts,
+                              in_main);
+        if (done < 0)
             return NULL;
-        if (packed & in_main ? store(main, key, packed ^ in_main) : store(small, key, packed))
-            return NULL;
+        if (!done)
+            break;
     }
     return PyLong_FromSsize_t(position);
 }
@@ -116,39 +71,15 @@ static PyObject *s3fifo_hit_run(PyObject *module, PyObject *const *args, Py_ssiz
     int count_main_hits = PyObject_IsTrue(args[7]);
     if (PyErr_Occurred() || count_main_hits < 0)
         return NULL;
-    if (!PyDict_CheckExact(pinned) || !PyODict_CheckExact(small) || !PyODict_CheckExact(main))
+    if (!queues_fit(pinned, small, main, NULL))
         return PyLong_FromSsize_t(position);
     for (; position < count; position++) {
-        PyObject *key = PyList_GET_ITEM(keys, position);
-        if (!PyBytes_CheckExact(key))
+        int done = hit_key(PyList_GET_ITEM(keys, position), small, main, pinned, in_main,
+                           max_frequency, count_main_hits);
+        if (done < 0)
+            return NULL;
+        if (!done)
             break;
-        PyObject *queue = small, *value = PyDict_GetItemWithError(small, key);  /* borrowed */
-        if (value == NULL) {
-            queue = main;
-            value = PyErr_Occurred() ? NULL : PyDict_GetItemWithError(main, key);
-            if (value == NULL) {
-                if (PyErr_Occurred())
-                    return NULL;
-                break;  /* in neither queue: a bug the Python names (KeyError) */
-            }
-        }
-        long counter = small_int(value);
-        if (counter < 0)
-            break;
-        long packed = counter;
-        if (queue == small || count_main_hits)
-            packed = counter < max_frequency ? counter + 1 : counter;
-        if (queue == main)
-            packed |= in_main;
-        if (PyODict_DelItem(queue, key) < 0)
-            return NULL;
-        PyObject *packed_value = PyLong_FromLong(packed);
-        if (packed_value == NULL)
-            return NULL;
-        int status = PyDict_SetItem(pinned, key, packed_value);
-        Py_DECREF(packed_value);
-        if (status < 0)
-            return NULL;
     }
     return PyLong_FromSsize_t(position);
 }

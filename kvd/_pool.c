@@ -17,6 +17,11 @@ traffic:
     seal_run(...)      -> stop                                 seal's publishing
     evict_run(...)     -> (key,) | None                        allocate's evictions of leaves
     journal_rows(...)  -> list | None                          what a seal tells the journal
+    alloc_one / release_one / lookup_one(tables, arg, owner)   a one-block request, whole
+
+The first eight are parts of a method; the last three are whole methods for the traffic of a
+worker at batch 1 (see their section below), where the Python around a C loop was most of the
+request.
 
 A `*_run` function processes blocks from `start` in order and stops *before* the first block it
 does not handle -- a policy event other than a hit, a block to free, an orphan's last pin,
@@ -37,7 +42,7 @@ calls Python is evict_run's (the policy's victim(), the journal's evicted()), ne
 touches the pool's tables; its tables are the pool's own, so a misfit there is a kvd bug and
 raises TypeError before any victim is asked for.
 */
-#include "_runs.h"  /* (Python.h, check_nargs, start_of) */
+#include "policies/_s3fifo_keys.h"  /* (Python.h, check_nargs, start_of; a policy's one-key events) */
 #include <string.h>
 
 /* kvd/pool.py's block states, and its empty link in the prefix tree. */
@@ -626,6 +631,263 @@ static PyObject *pool_journal_rows(PyObject *module, PyObject *const *args, Py_s
     return rows;
 }
 
+/* ---- one-block requests, whole: the Service's common alloc, release and lookup ---------------
+
+BlockPool.hot_ops binds each of these to a tuple of the pool's tables, made once (the pool never
+replaces a table: `restore` fills them in place), with the Python method it stands in for: a call
+with anything but the one common block runs that method instead, unchanged, so the C answers a
+request only where it does exactly what the Python would, in the same order. The pool's counts
+(`_num_owned`, `_num_sealed`) are attributes of the pool and its counters a dict, changed here by
+name. A policy that offers its queues (`c_events`, kvd/policies/s3fifo.py) has its event done by
+kvd/policies/_s3fifo_keys.h where that can (else, and for every other policy, its method runs). */
+
+static PyObject *name_num_owned, *name_num_sealed, *name_next_victim, *name_pop, *name_allocations,
+    *name_lookups, *name_lookup_blocks, *name_hit_blocks;
+
+/* target.name += change (an attribute, or a dict's item when `is_item`), as Python's += does. */
+static int add_to(PyObject *target, PyObject *name, long change, int is_item)
+{
+    PyObject *value = is_item ? PyDict_GetItemWithError(target, name) : PyObject_GetAttr(target, name);
+    if (value == NULL) {
+        if (is_item && !PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, name);
+        return -1;
+    }
+    if (is_item)
+        Py_INCREF(value);
+    PyObject *step = PyLong_FromLong(change), *sum = step == NULL ? NULL : PyNumber_Add(value, step);
+    Py_DECREF(value);
+    Py_XDECREF(step);
+    if (sum == NULL)
+        return -1;
+    int status = is_item ? PyDict_SetItem(target, name, sum) : PyObject_SetAttr(target, name, sum);
+    Py_DECREF(sum);
+    return status;
+}
+
+/* The tables a one-block request was bound to, unpacked: NULL (no error) if they do not fit. */
+static PyObject *const *bound_tables(PyObject *tables, Py_ssize_t expected)
+{
+    if (!PyTuple_CheckExact(tables) || PyTuple_GET_SIZE(tables) != expected)
+        return NULL;
+    return &PyTuple_GET_ITEM(tables, 0);
+}
+
+/* The policy's event through its queues when it offers them (`events`, else None), else its
+   method `method(key[, tier])`. is_insert: inserted(key, tier), else hit_evictable(key). */
+static int policy_event(PyObject *events, PyObject *method, PyObject *key, int is_insert,
+                        long tier)
+{
+    int done = 0;
+    if (PyTuple_CheckExact(events) && PyTuple_GET_SIZE(events) == 7) {
+        PyObject *const *queue = &PyTuple_GET_ITEM(events, 0);
+        long in_main = small_int(queue[4]), max_frequency = small_int(queue[5]);
+        if (in_main > 0 && max_frequency >= 0 && PyBool_Check(queue[6])
+                && queues_fit(queue[0], queue[1], queue[2], is_insert ? queue[3] : NULL))
+            done = is_insert ? insert_key(key, queue[0], queue[1], queue[2], queue[3], in_main)
+                             : hit_key(key, queue[1], queue[2], queue[0], in_main, max_frequency,
+                                       queue[6] == Py_True);
+    }
+    if (done != 0)
+        return done < 0 ? -1 : 0;
+    PyObject *result;
+    if (is_insert) {
+        PyObject *tier_value = PyLong_FromLong(tier);
+        if (tier_value == NULL)
+            return -1;
+        result = PyObject_CallFunctionObjArgs(method, key, tier_value, NULL);
+        Py_DECREF(tier_value);
+    } else {
+        result = PyObject_CallOneArg(method, key);
+    }
+    Py_XDECREF(result);
+    return result == NULL ? -1 : 0;
+}
+
+/* owner's {block: pins}, made if it has none (held_all.setdefault(owner, {})); borrowed. */
+static PyObject *holdings_of(PyObject *held_all, PyObject *owner)
+{
+    PyObject *held = PyDict_GetItemWithError(held_all, owner);
+    if (held != NULL || PyErr_Occurred())
+        return held;
+    PyObject *fresh = PyDict_New();
+    if (fresh == NULL)
+        return NULL;
+    held = PyDict_SetDefault(held_all, owner, fresh);
+    Py_DECREF(fresh);
+    return held;
+}
+
+/* alloc_one((pool, allocate, free, held_all, state, refs, counters), num_blocks, owner):
+   BlockPool.allocate(1, owner) when a block is free (no eviction); allocate(num_blocks, owner)
+   for anything else. */
+static PyObject *pool_alloc_one(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("alloc_one", nargs, 3) < 0)
+        return NULL;
+    PyObject *const *t = bound_tables(args[0], 7);
+    if (t == NULL)
+        return PyErr_Format(PyExc_TypeError, "alloc_one: the bound tables do not fit");
+    PyObject *pool = t[0], *free = t[2], *held_all = t[3], *state = t[4], *refs = t[5],
+             *counters = t[6], *num_blocks = args[1], *owner = args[2];
+    if (!PyLong_CheckExact(num_blocks) || PyLong_AsLong(num_blocks) != 1
+            || !PyDict_CheckExact(held_all) || !PyDict_CheckExact(counters)
+            || !tables_fit(state, &refs, 1, NULL, 0) || PyObject_Length(free) < 1) {
+        PyErr_Clear();
+        return PyObject_Vectorcall(t[1], &args[1], 2, NULL);
+    }
+    PyObject *held = holdings_of(held_all, owner);
+    if (held == NULL)
+        return NULL;
+    PyObject *block = PyObject_CallMethodNoArgs(free, name_pop);
+    if (block == NULL)
+        return NULL;
+    Py_ssize_t block_id = block_index(block, PyByteArray_GET_SIZE(state));
+    if (block_id < 0 || !PyDict_CheckExact(held)) {
+        Py_DECREF(block);
+        return PyErr_Format(PyExc_TypeError, "alloc_one: the free list held a bad block id");
+    }
+    PyObject *one = PyLong_FromLong(1), *block_ids = PyList_New(1);
+    int status = one == NULL || block_ids == NULL ? -1 : PyDict_SetItem(held, block, one);
+    if (status == 0) {
+        PyByteArray_AS_STRING(state)[block_id] = OWNED;
+        status = set_ref_count(refs, block_id, 1);
+    }
+    if (status == 0)
+        status = add_to(pool, name_num_owned, 1, 0);
+    if (status == 0)
+        status = add_to(counters, name_allocations, 1, 1);
+    Py_XDECREF(one);
+    if (status < 0 || block_ids == NULL) {
+        Py_DECREF(block);
+        Py_XDECREF(block_ids);
+        return NULL;
+    }
+    PyList_SET_ITEM(block_ids, 0, block);
+    return block_ids;
+}
+
+/* release_one((pool, release, held_all, state, refs, hashes, tier, is_orphan, is_duplicate,
+   events, inserted), block_ids, owner): BlockPool.release of the last pin on one indexed block,
+   which becomes CACHED; release(block_ids, owner) for anything else. */
+static PyObject *pool_release_one(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("release_one", nargs, 3) < 0)
+        return NULL;
+    PyObject *const *t = bound_tables(args[0], 11);
+    if (t == NULL)
+        return PyErr_Format(PyExc_TypeError, "release_one: the bound tables do not fit");
+    PyObject *pool = t[0], *held_all = t[2], *state = t[3], *refs = t[4], *hashes = t[5],
+             *tier = t[6], *is_orphan = t[7], *is_duplicate = t[8], *block_ids = args[1],
+             *owner = args[2];
+    PyObject *lists[] = {refs, hashes}, *bytearrays[] = {tier, is_orphan, is_duplicate};
+    if (!PyList_CheckExact(block_ids) || PyList_GET_SIZE(block_ids) != 1
+            || !PyDict_CheckExact(held_all) || !tables_fit(state, lists, 2, bytearrays, 3))
+        return PyObject_Vectorcall(t[1], &args[1], 2, NULL);
+    PyObject *block = PyList_GET_ITEM(block_ids, 0);
+    Py_ssize_t block_id = block_index(block, PyByteArray_GET_SIZE(state));
+    PyObject *held = block_id < 0 ? NULL : PyDict_GetItemWithError(held_all, owner);
+    if (held == NULL && PyErr_Occurred())
+        return NULL;
+    if (held == NULL || !PyDict_CheckExact(held) || PyByteArray_AS_STRING(state)[block_id] != SEALED
+            || ref_count(refs, block_id) != 1 || pins_of(held, block) != 1
+            || PyByteArray_AS_STRING(is_duplicate)[block_id]
+            || PyByteArray_AS_STRING(is_orphan)[block_id]) {
+        if (PyErr_Occurred())
+            return NULL;
+        return PyObject_Vectorcall(t[1], &args[1], 2, NULL);  /* (not held: it raises) */
+    }
+    PyObject *key = Py_NewRef(PyList_GET_ITEM(hashes, block_id));
+    Py_INCREF(held);
+    int status = PyDict_DelItem(held, block);
+    if (status == 0)
+        status = set_ref_count(refs, block_id, 0);
+    if (status == 0) {
+        PyByteArray_AS_STRING(state)[block_id] = CACHED;
+        status = add_to(pool, name_num_sealed, -1, 0);
+    }
+    if (status == 0)
+        status = policy_event(t[9], t[10], key, 1,
+                              (unsigned char)PyByteArray_AS_STRING(tier)[block_id]);
+    if (status == 0 && PyDict_GET_SIZE(held) == 0)
+        status = PyDict_DelItem(held_all, owner) < 0 ? -1 : 0;
+    Py_DECREF(held);
+    Py_DECREF(key);
+    if (status < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* lookup_one((pool, lookup, index, state, refs, hashes, held_all, counters, events,
+   hit_evictable), keys, owner): BlockPool.lookup of one key that misses or hits a CACHED block
+   (not the chosen victim), pinned for owner; lookup(keys, owner) for anything else. */
+static PyObject *pool_lookup_one(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("lookup_one", nargs, 3) < 0)
+        return NULL;
+    PyObject *const *t = bound_tables(args[0], 10);
+    if (t == NULL)
+        return PyErr_Format(PyExc_TypeError, "lookup_one: the bound tables do not fit");
+    PyObject *pool = t[0], *index = t[2], *state = t[3], *refs = t[4], *hashes = t[5],
+             *held_all = t[6], *counters = t[7], *keys = args[1], *owner = args[2];
+    PyObject *lists[] = {refs, hashes};
+    if (!PyList_CheckExact(keys) || PyList_GET_SIZE(keys) != 1
+            || !PyBytes_CheckExact(PyList_GET_ITEM(keys, 0)) || !PyDict_CheckExact(index)
+            || !PyDict_CheckExact(held_all) || !PyDict_CheckExact(counters)
+            || !tables_fit(state, lists, 2, NULL, 0))
+        return PyObject_Vectorcall(t[1], &args[1], 2, NULL);
+    PyObject *key = PyList_GET_ITEM(keys, 0);
+    PyObject *block = PyDict_GetItemWithError(index, key);  /* borrowed */
+    if (block == NULL && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t block_id = -1;
+    if (block != NULL) {  /* a hit: on a CACHED block other than the chosen victim, or Python's */
+        block_id = block_index(block, PyByteArray_GET_SIZE(state));
+        PyObject *next_victim = block_id < 0 ? NULL : PyObject_GetAttr(pool, name_next_victim);
+        int is_chosen = next_victim == NULL ? -1 : PyObject_RichCompareBool(next_victim, block, Py_EQ);
+        Py_XDECREF(next_victim);
+        if (is_chosen < 0 && PyErr_Occurred())
+            return NULL;
+        if (is_chosen != 0 || PyByteArray_AS_STRING(state)[block_id] != CACHED
+                || ref_count(refs, block_id) != 0)
+            return PyObject_Vectorcall(t[1], &args[1], 2, NULL);
+    }
+    PyObject *block_ids = PyList_New(0);
+    if (block_ids == NULL)
+        return NULL;
+    int status = 0;
+    if (block != NULL) {
+        Py_INCREF(block);
+        PyObject *held = NULL, *one = NULL;
+        status = policy_event(t[8], t[9], PyList_GET_ITEM(hashes, block_id), 0, 0);
+        if (status == 0) {
+            PyByteArray_AS_STRING(state)[block_id] = SEALED;
+            status = add_to(pool, name_num_sealed, 1, 0);
+        }
+        if (status == 0)
+            status = set_ref_count(refs, block_id, 1);
+        if (status == 0)
+            status = (held = holdings_of(held_all, owner)) == NULL ? -1 : 0;
+        if (status == 0)
+            status = (one = PyLong_FromLong(1)) == NULL ? -1 : PyObject_SetItem(held, block, one);
+        Py_XDECREF(one);
+        if (status == 0)
+            status = PyList_Append(block_ids, block);
+        Py_DECREF(block);
+    }
+    if (status == 0)
+        status = add_to(counters, name_lookups, 1, 1);
+    if (status == 0)
+        status = add_to(counters, name_lookup_blocks, 1, 1);
+    if (status == 0)
+        status = add_to(counters, name_hit_blocks, block != NULL, 1);
+    if (status < 0) {
+        Py_DECREF(block_ids);
+        return NULL;
+    }
+    return block_ids;
+}
+
 static PyMethodDef pool_methods[] = {
     {"own", (PyCFunction)(void (*)(void))pool_own, METH_FASTCALL,
      "own(block_ids, held, state, refs) -> bool: each FREE block OWNED, one pin in held and refs;"
@@ -649,6 +911,12 @@ static PyMethodDef pool_methods[] = {
      "evict_run(num_needed, victim, evicted, freed, index, state, hashes, tiers, is_orphan, "
      "is_duplicate, refs, generations, links) -> (key,) | None: allocate's eviction of leaf "
      "victims"},
+    {"alloc_one", (PyCFunction)(void (*)(void))pool_alloc_one, METH_FASTCALL,
+     "alloc_one(tables, num_blocks, owner) -> list: allocate of one free block, whole"},
+    {"release_one", (PyCFunction)(void (*)(void))pool_release_one, METH_FASTCALL,
+     "release_one(tables, block_ids, owner) -> None: release of one block's last pin, whole"},
+    {"lookup_one", (PyCFunction)(void (*)(void))pool_lookup_one, METH_FASTCALL,
+     "lookup_one(tables, keys, owner) -> list: lookup of one key, a miss or a cached hit, whole"},
     {"journal_rows", (PyCFunction)(void (*)(void))pool_journal_rows, METH_FASTCALL,
      "journal_rows(block_ids, is_orphan, hashes, tiers, generations, links) -> list | None: "
      "BlockPool.journal_rows of a list of block ids"},
@@ -662,5 +930,12 @@ static struct PyModuleDef pool_module = {
 
 PyMODINIT_FUNC PyInit__pool(void)
 {
+    PyObject **names[] = {&name_num_owned, &name_num_sealed, &name_next_victim, &name_pop,
+                          &name_allocations, &name_lookups, &name_lookup_blocks, &name_hit_blocks};
+    const char *texts[] = {"_num_owned", "_num_sealed", "_next_victim", "pop", "allocations",
+                           "lookups", "lookup_blocks", "hit_blocks"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if ((*names[i] = PyUnicode_InternFromString(texts[i])) == NULL)
+            return NULL;
     return PyModule_Create(&pool_module);
 }

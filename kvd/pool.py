@@ -69,8 +69,12 @@ which the Python loop here then does before calling it again: one loop, interlea
 Python as its specification (tests/test_pool_c.py runs twin pools). Batch 256, kvd's policy (whose
 batch events run in kvd/policies/_s3fifo.c the same way), against the Python loops in the same
 process (`python -m bench.pool_ab --base python`): seal 0.57x the time (0.40x sealing chains, with
-parents to link), lookup 0.46x, releases 0.49-0.52x. KVD_PURE_PYTHON=1, or a build without the
-module, runs the Python loops only.
+parents to link), lookup 0.46x, releases 0.49-0.52x. At batch 1 the Python around those loops is
+the request, so `hot_ops` gives the Service an allocation, release and lookup of one block done
+whole in C (the policy's event included, through its `c_events` queues), every other request
+going to the method: request path server time 0.78-0.80x the echo floor's -> 0.87-0.88x
+(bench/request_path.py's round, side by side). KVD_PURE_PYTHON=1, or a build without the module,
+runs the Python loops only.
 
 Errors: expected exhaustion returns None from `allocate`; misuse by a caller (wrong owner, wrong
 state, bad hash) raises a typed KvdError and changes nothing; a policy that returns a key the pool
@@ -81,9 +85,10 @@ from __future__ import annotations
 
 import os
 from array import array
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from functools import partial
 from itertools import islice
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -247,6 +252,27 @@ class BlockPool:
     def states(self) -> bytes:
         """One byte per block: FREE, OWNED, SEALED or CACHED (a copy)."""
         return bytes(self._state)
+
+    def hot_ops(self, allocate: Callable[[int, int], list[int]]) -> dict[str, Callable[..., Any]]:
+        """The Service's common requests, each a callable of (its argument, owner): "alloc"
+        (`allocate`, which must be `self.allocate` or raise where it returns None), "release"
+        and "lookup". Where kvd/_pool.c runs, a request of one block is done there whole (its
+        tables bound once: they are never replaced) and any other goes to the method; without
+        it they are the methods."""
+        loops, policy = self._loops, self.policy
+        if loops is None:
+            return {"alloc": allocate, "release": self.release, "lookup": self.lookup}
+        return {
+            "alloc": partial(loops.alloc_one, (self, allocate, self._free, self._held,
+                                               self._state, self._refs, self.counters)),
+            "release": partial(loops.release_one, (
+                self, self.release, self._held, self._state, self._refs, self._hashes,
+                self._tier, self._is_orphan, self._is_duplicate, policy.c_events,
+                policy.inserted)),
+            "lookup": partial(loops.lookup_one, (
+                self, self.lookup, self._index, self._state, self._refs, self._hashes,
+                self._held, self.counters, policy.c_events, policy.hit_evictable)),
+        }
 
     # ---- allocation ------------------------------------------------------------------------
     def allocate(self, num_blocks: int, owner: int) -> list[int] | None:
@@ -727,7 +753,8 @@ class BlockPool:
                                              if is_kept]
         parents = np.asarray(rows.parents, dtype=np.int64)[keep]
         tiers = np.asarray(rows.tiers, dtype=np.uint8)[keep]
-        self._index = dict(zip(keys, ids.tolist()))
+        # (every table is filled in place, never replaced: hot_ops' requests are bound to them)
+        self._index.update(zip(keys, ids.tolist()))
         if len(self._index) != len(keys):
             raise BadArgsError("the journal names a hash twice: it is corrupt")
         np.frombuffer(self._state, dtype=np.uint8)[ids] = CACHED
@@ -736,11 +763,11 @@ class BlockPool:
         # one object, tuples included.
         hashes = np.empty(self.num_blocks, dtype=object)  # (all None: the pool is fresh)
         hashes[ids] = np.fromiter(keys, dtype=object, count=len(keys))
-        self._hashes = hashes.tolist()
+        self._hashes[:] = hashes.tolist()
         self._link_restored(ids, parents)
         self.policy.restored(keys, tiers.tolist())
-        self._free = array("q", np.flatnonzero(np.frombuffer(self._state, dtype=np.uint8)
-                                               == FREE)[::-1].tolist())
+        self._free[:] = array("q", np.flatnonzero(np.frombuffer(self._state, dtype=np.uint8)
+                                                  == FREE)[::-1].tolist())
         return len(keys)
 
     def _restorable(self, rows: IndexRows) -> np.ndarray:

@@ -21,7 +21,7 @@ import pytest
 from kvd import pool as pool_module
 from kvd.errors import JournalError, KvdError
 from kvd.policies import EvictionPolicy, make_policy
-from kvd.pool import BlockPool
+from kvd.pool import BlockPool, IndexRows
 
 loops = pool_module._built_loops  # (tests call it directly: KVD_PURE_PYTHON only turns its use off)
 
@@ -86,6 +86,28 @@ class CountingLoops:
         self.handled["unpin_run"] += position - start
         return position, num_cached
 
+    def _one(self, name: str, tables: tuple, argument: Any, owner: int) -> Any:
+        """A one-block request, counted when C did it (not its method, tables[1])."""
+        fell_back: list[bool] = []
+        method = tables[1]
+
+        def counted_method(*args: Any) -> Any:
+            fell_back.append(True)
+            return method(*args)
+        try:
+            return getattr(loops, name)((tables[0], counted_method, *tables[2:]), argument, owner)
+        finally:
+            self.handled[name] += not fell_back
+
+    def alloc_one(self, tables: tuple, num_blocks: Any, owner: int) -> Any:
+        return self._one("alloc_one", tables, num_blocks, owner)
+
+    def release_one(self, tables: tuple, block_ids: Any, owner: int) -> Any:
+        return self._one("release_one", tables, block_ids, owner)
+
+    def lookup_one(self, tables: tuple, keys: Any, owner: int) -> Any:
+        return self._one("lookup_one", tables, keys, owner)
+
 
 def policy_state(policy: EvictionPolicy) -> dict[str, Any]:
     """A policy's attributes as plain values: queues as item lists (their order matters), a
@@ -126,8 +148,10 @@ def outcome(call: Any) -> Any:
 class Driver:
     """Random operations on a pool of `num_blocks`, drawn from one seeded generator."""
 
-    def __init__(self, rng: random.Random, num_blocks: int, num_keys: int) -> None:
+    def __init__(self, rng: random.Random, num_blocks: int, num_keys: int,
+                 one_block_share: float = 0.0) -> None:
         self.rng, self.num_blocks = rng, num_blocks
+        self.one_block_share = one_block_share  # requests made of one block (hot_ops' own)
         self.keys: list[Any] = [b"key-%d" % i for i in range(num_keys)]
         self.keys += [("tuple-key", i) for i in range(3)]  # the embedded API allows any hashable
 
@@ -135,6 +159,8 @@ class Driver:
         rng = self.rng
         held = list(pool._held.get(owner, {}))
         ids = rng.sample(held, rng.randint(0, len(held))) if held else []
+        if held and rng.random() < self.one_block_share:
+            ids = [rng.choice(held)]
         if ids and rng.random() < 0.1:
             ids.append(rng.choice(ids))  # named twice
         if rng.random() < 0.05:
@@ -150,7 +176,8 @@ class Driver:
         kind = rng.choices(["allocate", "seal", "release", "lookup", "pin", "release_owner",
                             "choose_next_victim"], weights=[6, 6, 6, 5, 2, 1, 1])[0]
         if kind == "allocate":
-            return kind, (rng.choice([0, 1, 2, 5, 16, 40]), owner)
+            one = rng.random() < self.one_block_share
+            return kind, (1 if one else rng.choice([0, 1, 2, 5, 16, 40]), owner)
         if kind == "seal":
             ids = self.some_ids(pool, owner)
             start = rng.randrange(len(self.keys))
@@ -171,8 +198,8 @@ class Driver:
             return kind, (ids, owner)
         if kind == "lookup":
             start = rng.randrange(len(self.keys))
-            return kind, ([self.keys[(start + i) % len(self.keys)]
-                           for i in range(rng.randint(0, 12))], owner)
+            length = 1 if rng.random() < self.one_block_share else rng.randint(0, 12)
+            return kind, ([self.keys[(start + i) % len(self.keys)] for i in range(length)], owner)
         if kind == "release_owner":
             return kind, (owner,)
         return kind, ()
@@ -195,9 +222,11 @@ class RecordingObserver:
 
 
 def run_twins(policy: str, seed: int, num_ops: int, num_blocks: int = 48,
-              fail_at: int | None = None) -> CountingLoops:
+              fail_at: int | None = None, one_block_share: float = 0.0) -> CountingLoops:
     """`policy`: a registered name, or "tiered" (prefill and decode tiers, kvd's policy in each).
-    With `fail_at`, the observer raises at that eviction: the run ends there, after comparing."""
+    With `fail_at`, the observer raises at that eviction: the run ends there, after comparing.
+    The C pool takes allocate, release and lookup through its hot_ops (the Service's path), the
+    Python one through its methods."""
     rng = random.Random(seed)
     tiers = "prefill=0.6,decode=0.4" if policy == "tiered" else None
     observers = [RecordingObserver(fail_at), RecordingObserver(fail_at)]
@@ -205,10 +234,14 @@ def run_twins(policy: str, seed: int, num_ops: int, num_blocks: int = 48,
                             observer=observer) for observer in observers)
     counting = CountingLoops()
     fast._loops, pure._loops = counting, None
-    driver = Driver(rng, num_blocks, num_keys=num_blocks + num_blocks // 2)
+    hot = {kind: fast.hot_ops(fast.allocate)[op]
+           for kind, op in (("allocate", "alloc"), ("release", "release"), ("lookup", "lookup"))}
+    driver = Driver(rng, num_blocks, num_keys=num_blocks + num_blocks // 2,
+                    one_block_share=one_block_share)
     for step in range(num_ops):
         kind, args = driver.operation(pure)
-        results = [outcome(lambda pool=pool: getattr(pool, kind)(*args)) for pool in (fast, pure)]
+        results = [outcome(lambda: hot.get(kind, getattr(fast, kind))(*args)),
+                   outcome(lambda: getattr(pure, kind)(*args))]
         context = f"{policy} seed {seed} step {step}: {kind}{args}"
         assert results[0] == results[1], context
         assert snapshot(fast) == snapshot(pure), context
@@ -239,6 +272,39 @@ def test_the_c_loops_change_nothing_a_policy_or_the_pool_can_see(policy: str) ->
     for function in ("own", "prefix", "first_unsealable", "seal_run", "pin_run", "unpin_run",
                      "evict_run", "journal_rows"):
         assert handled[function] > 100, (function, handled)  # the C side did real work
+
+
+@needs_c
+@pytest.mark.parametrize("policy", ["kvd", "s3fifo", "lru", "tiered"])
+def test_one_block_requests_in_c_change_nothing_a_policy_or_the_pool_can_see(policy: str) -> None:
+    """Mostly one-block requests, as a worker's traffic: hot_ops' C does them whole."""
+    handled: Counter[str] = Counter()
+    for seed in range(6):
+        handled += run_twins(policy, seed, num_ops=600, one_block_share=0.8).handled
+    for function in ("alloc_one", "release_one", "lookup_one"):
+        assert handled[function] > 50, (function, handled)  # (the rest were Python's to do)
+
+
+@needs_c
+def test_restore_fills_the_tables_hot_ops_are_bound_to() -> None:
+    source = BlockPool(16)
+    ids = source.allocate(3, owner=1)
+    source.seal(ids, [b"a", b"b", b"c"], owner=1, parents=[None, b"a", b"b"])
+    source.release(ids, owner=1)
+    rows = source.journal_rows()
+    pool = BlockPool(16)
+    lookup = pool.hot_ops(pool.allocate)["lookup"]
+    tables = [getattr(pool, name) for name in ("_index", "_hashes", "_free", "_state", "_refs")]
+    queues = pool.policy.c_events
+    assert pool.restore(IndexRows(*map(list, zip(*rows)))) == 3
+    assert [getattr(pool, name) for name in ("_index", "_hashes", "_free", "_state",
+                                             "_refs")] == tables  # (the same objects:)
+    assert all(a is b for a, b in zip(tables, [pool._index, pool._hashes, pool._free,
+                                               pool._state, pool._refs]))
+    assert pool.policy.c_events is queues and queues[1] is pool.policy._small
+    assert lookup([b"c"], 2) == [ids[2]] and pool.state(ids[2]) == "sealed"
+    assert pool.ref_count(ids[2]) == 1 and b"c" not in pool.policy
+    pool.check_invariants()
 
 
 @needs_c

@@ -82,6 +82,7 @@ class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
         self._num_small_evictions = 0
         self._main_ghost: OrderedDict[Hashable, None] = OrderedDict()
         self._loops = _loops if type(self) is AdaptiveS3FIFOPolicy else None  # (as S3FIFOPolicy's)
+        self.c_events = self._c_events(count_main_hits=False)  # (M's hits are its moves)
 
     def accessed(self, key: Hashable) -> None:
         if key in self._main:

@@ -70,6 +70,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._ghost: OrderedDict[Hashable, None] = OrderedDict()
         # (a subclass may change the hooks the C loops stand in for: it runs Python)
         self._loops = _loops if type(self) is S3FIFOPolicy else None
+        self.c_events = self._c_events(count_main_hits=True)
 
     def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
         # A key pinned while cached goes back to its queue with its counter, a new one to M if
@@ -102,10 +103,18 @@ class S3FIFOPolicy(EvictionPolicy):
                 small[key] = packed
 
     def restored(self, keys: Sequence[Hashable], tiers: Sequence[int]) -> None:
-        # A fresh policy has no ghosts, so every key enters S unhit, as `inserted` would do it.
+        # A fresh policy has no ghosts, so every key enters S unhit, as `inserted` would do it
+        # (into the same S: c_events holds it).
         if self._small or self._main or self._pinned:
             raise ValueError("restored() needs a policy that tracks nothing yet")
-        self._small = OrderedDict.fromkeys(keys, 0)
+        self._small.update(dict.fromkeys(keys, 0))
+
+    def _c_events(self, count_main_hits: bool) -> tuple | None:
+        """`c_events` (kvd/policies/base.py): these queues, where the C loops run."""
+        if self._loops is None:
+            return None
+        return (self._pinned, self._small, self._main, self._ghosts(), IN_MAIN, MAX_FREQUENCY,
+                count_main_hits)
 
     def _ghosts(self) -> tuple[OrderedDict, ...]:
         """The ghosts whose keys `_is_ghost_hit` must see (the C loop stops at them)."""

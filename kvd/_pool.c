@@ -17,9 +17,9 @@ traffic:
     seal_run(...)      -> stop                                 seal's publishing
     evict_run(...)     -> (key,) | None                        allocate's evictions of leaves
     journal_rows(...)  -> list | None                          what a seal tells the journal
-    alloc_one / release_one / lookup_one(tables, arg, owner)   a one-block request, whole
+    alloc_one / seal_one / release_one / lookup_one(tables, ..., owner)   one block's request
 
-The first eight are parts of a method; the last three are whole methods for the traffic of a
+The first eight are parts of a method; the last four are whole methods for the traffic of a
 worker at batch 1 (see their section below), where the Python around a C loop was most of the
 request.
 
@@ -631,7 +631,7 @@ static PyObject *pool_journal_rows(PyObject *module, PyObject *const *args, Py_s
     return rows;
 }
 
-/* ---- one-block requests, whole: the Service's common alloc, release and lookup ---------------
+/* ---- one-block requests, whole: the Service's common alloc, seal, release and lookup --------
 
 BlockPool.hot_ops binds each of these to a tuple of the pool's tables, made once (the pool never
 replaces a table: `restore` fills them in place), with the Python method it stands in for: a call
@@ -642,7 +642,8 @@ name. A policy that offers its queues (`c_events`, kvd/policies/s3fifo.py) has i
 kvd/policies/_s3fifo_keys.h where that can (else, and for every other policy, its method runs). */
 
 static PyObject *name_num_owned, *name_num_sealed, *name_next_victim, *name_pop, *name_allocations,
-    *name_lookups, *name_lookup_blocks, *name_hit_blocks;
+    *name_lookups, *name_lookup_blocks, *name_hit_blocks, *name_seals, *name_observer, *name_sealed,
+    *name_journal_rows;
 
 /* target.name += change (an attribute, or a dict's item when `is_item`), as Python's += does. */
 static int add_to(PyObject *target, PyObject *name, long change, int is_item)
@@ -888,6 +889,103 @@ static PyObject *pool_lookup_one(PyObject *module, PyObject *const *args, Py_ssi
     return block_ids;
 }
 
+/* Whether `hints` is None or a list of one item that `fits`: for seal's parents and tiers. */
+static int one_hint(PyObject *hints, int (*fits)(PyObject *))
+{
+    return hints == Py_None || (PyList_CheckExact(hints) && PyList_GET_SIZE(hints) == 1
+                                && fits(PyList_GET_ITEM(hints, 0)));
+}
+
+static int is_parent_key(PyObject *item) { return item == Py_None || PyBytes_CheckExact(item); }
+
+static int is_tier(PyObject *item)  /* (TIER_PREFILL or TIER_DECODE, kvd/policies/base.py) */
+{
+    return PyLong_CheckExact(item) && (PyLong_AsLong(item) == 0 || PyLong_AsLong(item) == 1);
+}
+
+/* seal_one((pool, seal, held_all, state, hashes, tier, is_duplicate, is_orphan, index, links,
+   generations, counters), block_ids, keys, parents, tiers, owner): BlockPool.seal of one OWNED
+   block of owner's under an exact-bytes key (its parent key exact bytes or None, its tier 0 or 1),
+   the pool's observer told as the Python tells it; seal(block_ids, keys, parents, tiers, owner)
+   for anything else. The checks and the publishing are first_unsealable's and seal_run's. */
+static PyObject *pool_seal_one(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("seal_one", nargs, 6) < 0)
+        return NULL;
+    PyObject *const *t = bound_tables(args[0], 12);
+    if (t == NULL)
+        return PyErr_Format(PyExc_TypeError, "seal_one: the bound tables do not fit");
+    PyObject *pool = t[0], *held_all = t[2], *state = t[3], *hashes = t[4], *tier = t[5],
+             *is_orphan = t[7], *links = t[9], *counters = t[11], *block_ids = args[1],
+             *keys = args[2], *parents = args[3], *tiers = args[4], *owner = args[5];
+    PyObject *held = NULL;
+    if (PyList_CheckExact(block_ids) && PyList_GET_SIZE(block_ids) == 1 && PyList_CheckExact(keys)
+            && PyList_GET_SIZE(keys) == 1 && one_hint(parents, is_parent_key)
+            && one_hint(tiers, is_tier) && PyDict_CheckExact(held_all)
+            && PyDict_CheckExact(counters))
+        held = PyDict_GetItemWithError(held_all, owner);
+    if (held == NULL && PyErr_Occurred())
+        return NULL;
+    PyObject *vouched = NULL;
+    if (held != NULL) {
+        PyObject *check[] = {block_ids, keys, held, state};
+        vouched = pool_first_unsealable(module, check, 4);
+        if (vouched == NULL)
+            return NULL;
+    }
+    PyObject *indexed = NULL, *stop = NULL, *zero = NULL;
+    if (vouched != NULL && PyLong_AsLong(vouched) == 1 && (indexed = PyList_New(0)) != NULL
+            && (zero = PyLong_FromLong(0)) != NULL) {
+        PyObject *run[] = {block_ids, keys, zero, tiers, parents, state, hashes, tier, t[6],
+                           is_orphan, t[8], links, indexed};
+        stop = pool_seal_run(module, run, 13);
+    }
+    Py_XDECREF(vouched);
+    Py_XDECREF(zero);
+    if (stop == NULL && PyErr_Occurred()) {
+        Py_XDECREF(indexed);
+        return NULL;
+    }
+    if (stop == NULL || PyLong_AsLong(stop) != 1) {  /* (nothing changed) the method's to do */
+        Py_XDECREF(stop);
+        Py_XDECREF(indexed);
+        return PyObject_Vectorcall(t[1], &args[1], 5, NULL);
+    }
+    Py_DECREF(stop);
+    /* The journal hears of the newly indexed blocks (none for a duplicate), as in the Python. */
+    PyObject *observer = PyObject_GetAttr(pool, name_observer), *rows = NULL, *told = NULL;
+    int status = observer == NULL ? -1 : 0;
+    if (status == 0 && observer != Py_None) {
+        PyObject *new_ids = PyList_GET_ITEM(indexed, 0) == Py_True ? Py_NewRef(block_ids)
+                                                                    : PyList_New(0);
+        if (new_ids != NULL) {
+            PyObject *rows_args[] = {new_ids, is_orphan, hashes, tier, t[10], links};
+            rows = pool_journal_rows(module, rows_args, 6);
+            if (rows == Py_None) {  /* (C declined: the method makes them) */
+                Py_DECREF(rows);
+                rows = PyObject_CallMethodOneArg(pool, name_journal_rows, new_ids);
+            }
+            Py_DECREF(new_ids);
+        }
+        told = rows == NULL ? NULL : PyObject_CallMethodOneArg(observer, name_sealed, rows);
+        status = told == NULL ? -1 : 0;
+    }
+    Py_XDECREF(observer);
+    Py_XDECREF(rows);
+    Py_XDECREF(told);
+    if (status == 0)
+        status = add_to(pool, name_num_owned, -1, 0);
+    if (status == 0)
+        status = add_to(pool, name_num_sealed, 1, 0);
+    if (status == 0)
+        status = add_to(counters, name_seals, 1, 1);
+    if (status < 0) {
+        Py_DECREF(indexed);
+        return NULL;
+    }
+    return indexed;
+}
+
 static PyMethodDef pool_methods[] = {
     {"own", (PyCFunction)(void (*)(void))pool_own, METH_FASTCALL,
      "own(block_ids, held, state, refs) -> bool: each FREE block OWNED, one pin in held and refs;"
@@ -915,6 +1013,9 @@ static PyMethodDef pool_methods[] = {
      "alloc_one(tables, num_blocks, owner) -> list: allocate of one free block, whole"},
     {"release_one", (PyCFunction)(void (*)(void))pool_release_one, METH_FASTCALL,
      "release_one(tables, block_ids, owner) -> None: release of one block's last pin, whole"},
+    {"seal_one", (PyCFunction)(void (*)(void))pool_seal_one, METH_FASTCALL,
+     "seal_one(tables, block_ids, keys, parents, tiers, owner) -> list: seal of one owned "
+     "block, whole"},
     {"lookup_one", (PyCFunction)(void (*)(void))pool_lookup_one, METH_FASTCALL,
      "lookup_one(tables, keys, owner) -> list: lookup of one key, a miss or a cached hit, whole"},
     {"journal_rows", (PyCFunction)(void (*)(void))pool_journal_rows, METH_FASTCALL,
@@ -931,9 +1032,11 @@ static struct PyModuleDef pool_module = {
 PyMODINIT_FUNC PyInit__pool(void)
 {
     PyObject **names[] = {&name_num_owned, &name_num_sealed, &name_next_victim, &name_pop,
-                          &name_allocations, &name_lookups, &name_lookup_blocks, &name_hit_blocks};
+                          &name_allocations, &name_lookups, &name_lookup_blocks, &name_hit_blocks,
+                          &name_seals, &name_observer, &name_sealed, &name_journal_rows};
     const char *texts[] = {"_num_owned", "_num_sealed", "_next_victim", "pop", "allocations",
-                           "lookups", "lookup_blocks", "hit_blocks"};
+                           "lookups", "lookup_blocks", "hit_blocks", "seals", "observer",
+                           "sealed", "journal_rows"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if ((*names[i] = PyUnicode_InternFromString(texts[i])) == NULL)
             return NULL;

@@ -70,8 +70,8 @@ Python as its specification (tests/test_pool_c.py runs twin pools). Batch 256, k
 batch events run in kvd/policies/_s3fifo.c the same way), against the Python loops in the same
 process (`python -m bench.pool_ab --base python`): seal 0.57x the time (0.40x sealing chains, with
 parents to link), lookup 0.46x, releases 0.49-0.52x. At batch 1 the Python around those loops is
-the request, so `hot_ops` gives the Service an allocation, release and lookup of one block done
-whole in C (the policy's event included, through its `c_events` queues), every other request
+the request, so `hot_ops` gives the Service an allocation, seal, release and lookup of one block
+done whole in C (the policy's event included, through its `c_events` queues), every other request
 going to the method: request path server time 0.78-0.80x the echo floor's -> 0.87-0.88x
 (bench/request_path.py's round, side by side). KVD_PURE_PYTHON=1, or a build without the module,
 runs the Python loops only.
@@ -254,17 +254,23 @@ class BlockPool:
         return bytes(self._state)
 
     def hot_ops(self, allocate: Callable[[int, int], list[int]]) -> dict[str, Callable[..., Any]]:
-        """The Service's common requests, each a callable of (its argument, owner): "alloc"
-        (`allocate`, which must be `self.allocate` or raise where it returns None), "release"
-        and "lookup". Where kvd/_pool.c runs, a request of one block is done there whole (its
+        """The Service's common requests, each a callable of the wire's arguments in order, then
+        the owner: "alloc" (num_blocks; `allocate`, which must be `self.allocate` or raise where
+        it returns None), "seal" (block_ids, keys, parents, tiers), "release" (block_ids) and
+        "lookup" (keys). Where kvd/_pool.c runs, a request of one block is done there whole (its
         tables bound once: they are never replaced) and any other goes to the method; without
         it they are the methods."""
         loops, policy = self._loops, self.policy
         if loops is None:
-            return {"alloc": allocate, "release": self.release, "lookup": self.lookup}
+            return {"alloc": allocate, "seal": self._seal_in_wire_order, "release": self.release,
+                    "lookup": self.lookup}
         return {
             "alloc": partial(loops.alloc_one, (self, allocate, self._free, self._held,
                                                self._state, self._refs, self.counters)),
+            "seal": partial(loops.seal_one, (
+                self, self._seal_in_wire_order, self._held, self._state, self._hashes,
+                self._tier, self._is_duplicate, self._is_orphan, self._index, self._links,
+                self._generations, self.counters)),
             "release": partial(loops.release_one, (
                 self, self.release, self._held, self._state, self._refs, self._hashes,
                 self._tier, self._is_orphan, self._is_duplicate, policy.c_events,
@@ -492,6 +498,12 @@ class BlockPool:
         self._num_sealed += len(block_ids)
         self.counters["seals"] += len(block_ids)
         return indexed
+
+    def _seal_in_wire_order(self, block_ids: Sequence[int], keys: Sequence[Hashable],
+                            parents: Sequence[Hashable | None] | None,
+                            tiers: Sequence[int] | None, owner: int) -> list[bool]:
+        """`seal` with the wire's argument order (hot_ops' "seal")."""
+        return self.seal(block_ids, keys, owner, parents, tiers)
 
     def _check_seal_hints(self, num_blocks: int, keys: Sequence[Hashable],
                           parents: Sequence[Hashable | None] | None,

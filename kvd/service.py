@@ -104,7 +104,7 @@ class Service:
                       bytes_list_field("parents", MAX_BATCH, MAX_KEY_NBYTES, is_required=False,
                                        allow_nil=True),
                       int_list_field("tiers", MAX_BATCH, len(TIER_NAMES) - 1, is_required=False)),
-                     True, self._seal),
+                     True, pool_ops["seal"]),
             "lookup": ((hashes,), False, pool_ops["lookup"]),
             "release": ((block_ids,), False, pool_ops["release"]),
             "pin": ((block_ids,), False, pool.pin),
@@ -174,10 +174,6 @@ class Service:
         if block_ids is None:
             raise NoSpaceError(self.page_table._no_space(num_blocks))
         return block_ids
-
-    def _seal(self, block_ids: list[int], hashes: list[bytes], parents: list[bytes | None] | None,
-              tiers: list[int] | None, owner: int) -> list[bool]:
-        return self.pool.seal(block_ids, hashes, owner, parents, tiers)
 
     def _shutdown(self, session: Session, args: dict[str, Any]) -> None:
         check_no_extra(args, ("keep",))

@@ -86,7 +86,7 @@ class CountingLoops:
         self.handled["unpin_run"] += position - start
         return position, num_cached
 
-    def _one(self, name: str, tables: tuple, argument: Any, owner: int) -> Any:
+    def _one(self, name: str, tables: tuple, *args: Any) -> Any:
         """A one-block request, counted when C did it (not its method, tables[1])."""
         fell_back: list[bool] = []
         method = tables[1]
@@ -95,7 +95,7 @@ class CountingLoops:
             fell_back.append(True)
             return method(*args)
         try:
-            return getattr(loops, name)((tables[0], counted_method, *tables[2:]), argument, owner)
+            return getattr(loops, name)((tables[0], counted_method, *tables[2:]), *args)
         finally:
             self.handled[name] += not fell_back
 
@@ -107,6 +107,9 @@ class CountingLoops:
 
     def lookup_one(self, tables: tuple, keys: Any, owner: int) -> Any:
         return self._one("lookup_one", tables, keys, owner)
+
+    def seal_one(self, tables: tuple, *args: Any) -> Any:
+        return self._one("seal_one", tables, *args)
 
 
 def policy_state(policy: EvictionPolicy) -> dict[str, Any]:
@@ -189,6 +192,8 @@ class Driver:
                 parents = [rng.choice(self.keys) if rng.random() < 0.2 else
                            (keys[i - 1] if i else None) for i in range(len(ids))]
             tiers = [rng.randrange(2) for _ in ids] if rng.random() < 0.3 else None
+            if rng.random() < 0.05:  # misuse, and a bool that Python takes for tier 1
+                tiers = [rng.choice([2, -1, True, 1.0])] * len(ids)
             return kind, (ids, keys, owner, parents, tiers)
         if kind in ("release", "pin"):
             ids = self.some_ids(pool, owner)
@@ -234,13 +239,15 @@ def run_twins(policy: str, seed: int, num_ops: int, num_blocks: int = 48,
                             observer=observer) for observer in observers)
     counting = CountingLoops()
     fast._loops, pure._loops = counting, None
-    hot = {kind: fast.hot_ops(fast.allocate)[op]
-           for kind, op in (("allocate", "alloc"), ("release", "release"), ("lookup", "lookup"))}
+    hot = {kind: fast.hot_ops(fast.allocate)[op] for kind, op in (
+        ("allocate", "alloc"), ("release", "release"), ("lookup", "lookup"), ("seal", "seal"))}
     driver = Driver(rng, num_blocks, num_keys=num_blocks + num_blocks // 2,
                     one_block_share=one_block_share)
     for step in range(num_ops):
         kind, args = driver.operation(pure)
-        results = [outcome(lambda: hot.get(kind, getattr(fast, kind))(*args)),
+        # (the hot seal takes the wire's order: block_ids, keys, parents, tiers, owner)
+        hot_args = (*args[:2], *args[3:], args[2]) if kind == "seal" else args
+        results = [outcome(lambda: hot.get(kind, getattr(fast, kind))(*hot_args)),
                    outcome(lambda: getattr(pure, kind)(*args))]
         context = f"{policy} seed {seed} step {step}: {kind}{args}"
         assert results[0] == results[1], context
@@ -281,7 +288,7 @@ def test_one_block_requests_in_c_change_nothing_a_policy_or_the_pool_can_see(pol
     handled: Counter[str] = Counter()
     for seed in range(6):
         handled += run_twins(policy, seed, num_ops=600, one_block_share=0.8).handled
-    for function in ("alloc_one", "release_one", "lookup_one"):
+    for function in ("alloc_one", "seal_one", "release_one", "lookup_one"):
         assert handled[function] > 50, (function, handled)  # (the rest were Python's to do)
 
 

@@ -633,8 +633,8 @@ static PyObject *pool_journal_rows(PyObject *module, PyObject *const *args, Py_s
 
 /* ---- one-block requests, whole: the Service's common alloc, seal, release and lookup --------
 
-BlockPool.hot_ops binds each of these to a tuple of the pool's tables, made once (the pool never
-replaces a table: `restore` fills them in place), with the Python method it stands in for: a call
+BlockPool.hot_ops binds each of these to a tuple of the pool's tables, made once (only `restore`
+replaces a table, and it refuses to run after hot_ops), with the Python method it stands in for: a call
 with anything but the one common block runs that method instead, unchanged, so the C answers a
 request only where it does exactly what the Python would, in the same order. The pool's counts
 (`_num_owned`, `_num_sealed`) are attributes of the pool and its counters a dict, changed here by

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from kvd import pool as pool_module
-from kvd.errors import JournalError, KvdError
+from kvd.errors import InternalError, JournalError, KvdError
 from kvd.policies import EvictionPolicy, make_policy
 from kvd.pool import BlockPool, IndexRows
 
@@ -292,27 +292,24 @@ def test_one_block_requests_in_c_change_nothing_a_policy_or_the_pool_can_see(pol
         assert handled[function] > 50, (function, handled)  # (the rest were Python's to do)
 
 
-@needs_c
-def test_restore_fills_the_tables_hot_ops_are_bound_to() -> None:
+def test_hot_ops_come_after_restore_and_see_what_it_restored() -> None:
     source = BlockPool(16)
     ids = source.allocate(3, owner=1)
     source.seal(ids, [b"a", b"b", b"c"], owner=1, parents=[None, b"a", b"b"])
     source.release(ids, owner=1)
-    rows = source.journal_rows()
+    rows = IndexRows(*map(list, zip(*source.journal_rows())))
     pool = BlockPool(16)
+    assert pool.restore(rows) == 3
+    events = pool.policy.c_events
+    assert events is None or events[1] is pool.policy._small  # (None: KVD_PURE_PYTHON=1)
     lookup = pool.hot_ops(pool.allocate)["lookup"]
-    tables = [getattr(pool, name) for name in ("_index", "_hashes", "_free", "_state", "_refs")]
-    small, queues = pool.policy._small, pool.policy.c_events
-    assert pool.restore(IndexRows(*map(list, zip(*rows)))) == 3
-    assert [getattr(pool, name) for name in ("_index", "_hashes", "_free", "_state",
-                                             "_refs")] == tables  # (the same objects:)
-    assert all(a is b for a, b in zip(tables, [pool._index, pool._hashes, pool._free,
-                                               pool._state, pool._refs]))
-    assert pool.policy._small is small and pool.policy.c_events is queues
-    assert queues is None or queues[1] is small  # (None: KVD_PURE_PYTHON=1)
     assert lookup([b"c"], 2) == [ids[2]] and pool.state(ids[2]) == "sealed"
     assert pool.ref_count(ids[2]) == 1 and b"c" not in pool.policy
     pool.check_invariants()
+    late = BlockPool(16)
+    late.hot_ops(late.allocate)
+    with pytest.raises(InternalError, match="before hot_ops"):
+        late.restore(rows)
 
 
 @needs_c

@@ -55,7 +55,8 @@ class EvictionPolicy(ABC):
     name: ClassVar[str]
     # The queues through which kvd/_pool.c's one-block requests may do `inserted` and
     # `hit_evictable` themselves (S3-FIFO's layout, kvd/policies/_s3fifo_keys.h); None: they
-    # call the methods. A policy that offers them must never replace those objects.
+    # call the methods. A policy that offers them replaces those objects only in `restored`
+    # (making c_events anew), which the pool runs before it binds them (BlockPool.hot_ops).
     c_events: tuple | None = None
 
     def __init__(self, capacity: int) -> None:

@@ -103,11 +103,12 @@ class S3FIFOPolicy(EvictionPolicy):
                 small[key] = packed
 
     def restored(self, keys: Sequence[Hashable], tiers: Sequence[int]) -> None:
-        # A fresh policy has no ghosts, so every key enters S unhit, as `inserted` would do it
-        # (into the same S: c_events holds it).
+        # A fresh policy has no ghosts, so every key enters S unhit, as `inserted` would do it.
         if self._small or self._main or self._pinned:
             raise ValueError("restored() needs a policy that tracks nothing yet")
-        self._small.update(dict.fromkeys(keys, 0))
+        self._small = OrderedDict.fromkeys(keys, 0)
+        if self.c_events is not None:  # (the queues it names: S is a new one)
+            self.c_events = (self._pinned, self._small, *self.c_events[2:])
 
     def _c_events(self, count_main_hits: bool) -> tuple | None:
         """`c_events` (kvd/policies/base.py): these queues, where the C loops run."""

@@ -860,7 +860,9 @@ static PyObject *pool_lookup_one(PyObject *module, PyObject *const *args, Py_ssi
     if (block != NULL) {
         Py_INCREF(block);
         PyObject *held = NULL, *one = NULL;
-        status = policy_event(t[8], t[9], PyList_GET_ITEM(hashes, block_id), 0, 0);
+        PyObject *key = Py_NewRef(PyList_GET_ITEM(hashes, block_id));
+        status = policy_event(t[8], t[9], key, 0, 0);
+        Py_DECREF(key);
         if (status == 0) {
             PyByteArray_AS_STRING(state)[block_id] = SEALED;
             status = add_to(pool, name_num_sealed, 1, 0);

@@ -14,7 +14,11 @@ and how busy each server was. A server running flat out on a core of its own ser
 tends to the floor's CPU per request over kvd's: the last column, measurable on a small host
 too (where it is inflated alike for both by sharing cores with the clients).
 
-    python -m bench.scaling [--quick] [--workers 1,2,4] [--duration-s 2] [--out DIR]
+Each point takes turns: kvd and the floor back to back, three times (which goes first
+alternating), and reports the medians; a single pair of runs swung with the VM (the 4-worker
+ratio read 1.14x and 0.75x in two full runs of one build).
+
+    python -m bench.scaling [--quick] [--workers 1,2,4] [--duration-s 1] [--turns 3] [--out DIR]
 """
 
 from __future__ import annotations
@@ -103,36 +107,63 @@ def measure(kind: str, socket_path: str, server_pid: int, num_workers: int, dura
             "server_busy": server_ns / 1e9 / wall_s}
 
 
-def run(worker_counts: list[int], duration_s: float) -> dict[str, Any]:
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def run(worker_counts: list[int], duration_s: float, num_turns: int) -> dict[str, Any]:
+    """Each point is `num_turns` turns of kvd and the floor back to back (which goes first
+    alternates), `duration_s` each: a VM's drift within the point then moves both sides of a
+    turn alike, and the medians over turns are what is reported."""
     results: dict[str, Any] = {"cpus": os.cpu_count(), "duration_s": duration_s,
-                               "goal_ratio_at_8_workers": GOAL_RATIO_AT_8, "rows": []}
+                               "turns": num_turns, "goal_ratio_at_8_workers": GOAL_RATIO_AT_8,
+                               "rows": []}
+    run_indices = itertools.count()
     with EchoServer() as echo, Daemon(NUM_BLOCKS) as daemon:
-        for run_index, num_workers in enumerate(worker_counts):
-            progress(f"scaling: {num_workers} workers, {duration_s} s each for kvd and echo")
-            kvd = measure("kvd", daemon.socket_path, daemon.proc.pid, num_workers, duration_s,
-                          2 * run_index)
-            floor = measure("echo", echo.socket_path, echo.proc.pid, num_workers, duration_s,
-                            2 * run_index + 1)
+        servers = {"kvd": (daemon.socket_path, daemon.proc.pid),
+                   "echo": (echo.socket_path, echo.proc.pid)}
+        for num_workers in worker_counts:
+            progress(f"scaling: {num_workers} workers, {num_turns} turns of {duration_s} s each "
+                     "for kvd and echo")
+            turns: list[dict[str, dict[str, float]]] = []
+            for turn in range(num_turns):
+                order = ("kvd", "echo") if turn % 2 == 0 else ("echo", "kvd")
+                turns.append({kind: measure(kind, *servers[kind], num_workers, duration_s,
+                                            next(run_indices)) for kind in order})
+            ratios = [t["kvd"]["requests_per_s"] / t["echo"]["requests_per_s"] for t in turns]
+            # What the ratio tends to once both servers are saturated, each on a core of its
+            # own (a host with cores for every worker): their CPU per request.
+            saturated = [t["echo"]["server_us_per_request"] / t["kvd"]["server_us_per_request"]
+                         for t in turns]
             results["rows"].append({
-                "workers": num_workers, "kvd": kvd, "echo": floor,
-                "ratio": kvd["requests_per_s"] / floor["requests_per_s"],
-                # What the ratio tends to once both servers are saturated, each on a core of
-                # its own (a host with cores for every worker): their CPU per request.
-                "saturated_ratio": floor["server_us_per_request"] / kvd["server_us_per_request"]})
+                "workers": num_workers,
+                **{kind: {field: median([t[kind][field] for t in turns])
+                          for field in turns[0][kind]} for kind in ("kvd", "echo")},
+                "ratio": median(ratios), "turn_ratios": ratios,
+                "saturated_ratio": median(saturated), "turn_saturated_ratios": saturated})
     return results
 
 
 def markdown(results: dict[str, Any]) -> str:
+    def spread(values: list[float]) -> str:
+        return f"{min(values):.2f}–{max(values):.2f}"
     rows = [[r["workers"], f"{r['kvd']['requests_per_s']:,.0f}",
-             f"{r['echo']['requests_per_s']:,.0f}", f"{r['ratio']:.2f}x",
+             f"{r['echo']['requests_per_s']:,.0f}", f"{r['ratio']:.2f}x ({spread(r['turn_ratios'])})",
              f"{r['kvd']['server_us_per_request']:.1f}", f"{r['echo']['server_us_per_request']:.1f}",
              f"{r['kvd']['server_busy']:.0%} / {r['echo']['server_busy']:.0%}",
-             f"{r['saturated_ratio']:.2f}x"] for r in results["rows"]]
-    table = markdown_table(["workers", "kvd requests/s", "echo requests/s", "kvd / floor",
-                            "kvd server CPU µs/request", "echo server CPU µs/request",
-                            "servers busy (kvd / echo)", "floor CPU / kvd CPU"], rows)
-    note = (f"{results['cpus']} CPUs; batch-1 requests (alloc, seal, release, lookup, release), "
-            f"{results['duration_s']} s per point. On a 16-core host the goal is >= "
+             f"{r['saturated_ratio']:.2f}x ({spread(r['turn_saturated_ratios'])})"]
+            for r in results["rows"]]
+    table = markdown_table(["workers", "kvd requests/s", "echo requests/s",
+                            "kvd / floor (turns)", "kvd server CPU µs/request",
+                            "echo server CPU µs/request", "servers busy (kvd / echo)",
+                            "floor CPU / kvd CPU (turns)"], rows)
+    note = (f"{results['cpus']} CPUs; batch-1 requests (alloc, seal, release, lookup, release); "
+            f"each point {results['turns']} turn{'s' if results['turns'] != 1 else ''} of kvd "
+            "and the floor back to back, "
+            f"{results['duration_s']} s each, medians over the turns (the ratios' range in "
+            "parentheses). On a 16-core host the goal is >= "
             f"{GOAL_RATIO_AT_8}x the floor at 8 workers (`python -m bench.scaling --workers "
             "1,2,4,8,16`); with fewer cores than workers + 1, client and server share CPUs and "
             "the ratio mostly reflects per-request CPU on both sides. Server CPU per request "
@@ -159,9 +190,9 @@ def plot(results: dict[str, Any], out: Path) -> Path:
 
 
 def run_bench(quick: bool, out: Path, worker_counts: list[int] | None = None,
-              duration_s: float | None = None) -> str:
+              duration_s: float | None = None, num_turns: int | None = None) -> str:
     counts = worker_counts or ([1, 2] if quick else default_worker_counts())
-    results = run(counts, duration_s or (0.3 if quick else 2.0))
+    results = run(counts, duration_s or (0.3 if quick else 1.0), num_turns or (1 if quick else 3))
     write_json(out, "scaling", results)
     plot(results, out)
     return markdown(results)
@@ -172,11 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run (1 and 2 workers)")
     parser.add_argument("--workers", help="comma-separated worker counts (default: 1, 2, 4, ... "
                         "up to the core count)")
-    parser.add_argument("--duration-s", type=float, help="seconds per point (default 2)")
+    parser.add_argument("--duration-s", type=float, help="seconds per turn (default 1)")
+    parser.add_argument("--turns", type=int, help="turns of kvd and the floor per point "
+                        "(default 3)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.workers.split(",")] if args.workers else None
-    print(run_bench(args.quick, args.out, counts, args.duration_s))
+    print(run_bench(args.quick, args.out, counts, args.duration_s, args.turns))
     return 0
 
 

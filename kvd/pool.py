@@ -72,8 +72,8 @@ process (`python -m bench.pool_ab --base python`): seal 0.57x the time (0.40x se
 parents to link), lookup 0.46x, releases 0.49-0.52x. At batch 1 the Python around those loops is
 the request, so `hot_ops` gives the Service an allocation, seal, release and lookup of one block
 done whole in C (the policy's event included, through its `c_events` queues), every other request
-going to the method: request path server time 0.78-0.80x the echo floor's -> 0.87-0.88x
-(bench/request_path.py's round, side by side). KVD_PURE_PYTHON=1, or a build without the module,
+going to the method: the request path's server side went from 0.71-0.80x the echo floor's
+speed to 0.81-0.88x (bench/request_path.py's round, the two side by side in one process). KVD_PURE_PYTHON=1, or a build without the module,
 runs the Python loops only.
 
 Errors: expected exhaustion returns None from `allocate`; misuse by a caller (wrong owner, wrong

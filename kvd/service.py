@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvd import protocol
 from kvd.errors import (
     BadArgsError, DeniedError, InternalError, JournalError, NoSpaceError, NotFoundError, ProtocolError, UnknownOpError,
     VersionError,
@@ -37,7 +38,6 @@ from kvd.hashing import HASH_VERSION
 from kvd.metrics import OpStats
 from kvd.page_table import PageTable, SequenceRecord
 from kvd.policies import TIER_NAMES, TieredPolicy
-from kvd import protocol
 from kvd.pool import BlockPool
 from kvd.protocol import (
     PROTOCOL_VERSION, ArgField, arg_bool, arg_bytes, arg_int, bytes_list_field, check_no_extra,

@@ -150,8 +150,10 @@ def markdown(results: dict[str, Any]) -> str:
     def spread(values: list[float]) -> str:
         return f"{min(values):.2f}–{max(values):.2f}"
     rows = [[r["workers"], f"{r['kvd']['requests_per_s']:,.0f}",
-             f"{r['echo']['requests_per_s']:,.0f}", f"{r['ratio']:.2f}x ({spread(r['turn_ratios'])})",
-             f"{r['kvd']['server_us_per_request']:.1f}", f"{r['echo']['server_us_per_request']:.1f}",
+             f"{r['echo']['requests_per_s']:,.0f}",
+             f"{r['ratio']:.2f}x ({spread(r['turn_ratios'])})",
+             f"{r['kvd']['server_us_per_request']:.1f}",
+             f"{r['echo']['server_us_per_request']:.1f}",
              f"{r['kvd']['server_busy']:.0%} / {r['echo']['server_busy']:.0%}",
              f"{r['saturated_ratio']:.2f}x ({spread(r['turn_saturated_ratios'])})"]
             for r in results["rows"]]

@@ -42,7 +42,7 @@ calls Python is evict_run's (the policy's victim(), the journal's evicted()), ne
 touches the pool's tables; its tables are the pool's own, so a misfit there is a kvd bug and
 raises TypeError before any victim is asked for.
 */
-#include "policies/_s3fifo_keys.h"  /* (Python.h, check_nargs, start_of; a policy's one-key events) */
+#include "policies/_s3fifo_keys.h"  /* (Python.h, check_nargs, start_of; one-key events) */
 #include <string.h>
 
 /* kvd/pool.py's block states, and its empty link in the prefix tree. */
@@ -634,12 +634,13 @@ static PyObject *pool_journal_rows(PyObject *module, PyObject *const *args, Py_s
 /* ---- one-block requests, whole: the Service's common alloc, seal, release and lookup --------
 
 BlockPool.hot_ops binds each of these to a tuple of the pool's tables, made once (only `restore`
-replaces a table, and it refuses to run after hot_ops), with the Python method it stands in for: a call
-with anything but the one common block runs that method instead, unchanged, so the C answers a
-request only where it does exactly what the Python would, in the same order. The pool's counts
-(`_num_owned`, `_num_sealed`) are attributes of the pool and its counters a dict, changed here by
-name. A policy that offers its queues (`c_events`, kvd/policies/s3fifo.py) has its event done by
-kvd/policies/_s3fifo_keys.h where that can (else, and for every other policy, its method runs). */
+replaces a table, and it refuses to run after hot_ops), with the Python method it stands in for:
+a call with anything but the one common block runs that method instead, unchanged, so the C
+answers a request only where it does exactly what the Python would, in the same order. The pool's
+counts (`_num_owned`, `_num_sealed`) are attributes of the pool and its counters a dict, changed
+here by name. A policy that offers its queues (`c_events`, kvd/policies/s3fifo.py) has its event
+done by kvd/policies/_s3fifo_keys.h where that can (else, and for every other policy, its method
+runs). */
 
 static PyObject *name_num_owned, *name_num_sealed, *name_next_victim, *name_pop, *name_allocations,
     *name_lookups, *name_lookup_blocks, *name_hit_blocks, *name_seals, *name_observer, *name_sealed,
@@ -648,7 +649,8 @@ static PyObject *name_num_owned, *name_num_sealed, *name_next_victim, *name_pop,
 /* target.name += change (an attribute, or a dict's item when `is_item`), as Python's += does. */
 static int add_to(PyObject *target, PyObject *name, long change, int is_item)
 {
-    PyObject *value = is_item ? PyDict_GetItemWithError(target, name) : PyObject_GetAttr(target, name);
+    PyObject *value = is_item ? PyDict_GetItemWithError(target, name)
+                              : PyObject_GetAttr(target, name);
     if (value == NULL) {
         if (is_item && !PyErr_Occurred())
             PyErr_SetObject(PyExc_KeyError, name);
@@ -656,7 +658,8 @@ static int add_to(PyObject *target, PyObject *name, long change, int is_item)
     }
     if (is_item)
         Py_INCREF(value);
-    PyObject *step = PyLong_FromLong(change), *sum = step == NULL ? NULL : PyNumber_Add(value, step);
+    PyObject *step = PyLong_FromLong(change);
+    PyObject *sum = step == NULL ? NULL : PyNumber_Add(value, step);
     Py_DECREF(value);
     Py_XDECREF(step);
     if (sum == NULL)
@@ -845,7 +848,8 @@ static PyObject *pool_lookup_one(PyObject *module, PyObject *const *args, Py_ssi
     if (block != NULL) {  /* a hit: on a CACHED block other than the chosen victim, or Python's */
         block_id = block_index(block, PyByteArray_GET_SIZE(state));
         PyObject *next_victim = block_id < 0 ? NULL : PyObject_GetAttr(pool, name_next_victim);
-        int is_chosen = next_victim == NULL ? -1 : PyObject_RichCompareBool(next_victim, block, Py_EQ);
+        int is_chosen = next_victim == NULL ? -1
+                                            : PyObject_RichCompareBool(next_victim, block, Py_EQ);
         Py_XDECREF(next_victim);
         if (is_chosen < 0 && PyErr_Occurred())
             return NULL;

@@ -73,8 +73,8 @@ parents to link), lookup 0.46x, releases 0.49-0.52x. At batch 1 the Python aroun
 the request, so `hot_ops` gives the Service an allocation, seal, release and lookup of one block
 done whole in C (the policy's event included, through its `c_events` queues), every other request
 going to the method: the request path's server side went from 0.71-0.80x the echo floor's
-speed to 0.81-0.88x (bench/request_path.py's round, the two side by side in one process). KVD_PURE_PYTHON=1, or a build without the module,
-runs the Python loops only.
+speed to 0.81-0.88x (bench/request_path.py's round, the two side by side in one process).
+KVD_PURE_PYTHON=1, or a build without the module, runs the Python loops only.
 
 Errors: expected exhaustion returns None from `allocate`; misuse by a caller (wrong owner, wrong
 state, bad hash) raises a typed KvdError and changes nothing; a policy that returns a key the pool

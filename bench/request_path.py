@@ -125,6 +125,12 @@ class InlineEcho:
         self.sock.close()
 
 
+def constant_answer(session: Any, op: str, args: dict[str, Any]) -> Any:
+    """What the daemon's handler answers each op of the round, shaped as the real answers, with
+    no validation and no pool: the daemon's own path (select, recv, decode, encode, send) alone."""
+    return None if op == "release" else [True] if op == "seal" else [0]
+
+
 def round_args(hashes: list[bytes], block_ids: list[int]) -> list[tuple[str, dict[str, Any]]]:
     return [("alloc", {"num_blocks": 1}), ("seal", {"block_ids": block_ids, "hashes": hashes}),
             ("release", {"block_ids": block_ids}), ("lookup", {"hashes": hashes}),
@@ -178,29 +184,36 @@ def run(quick: bool) -> dict[str, Any]:
     # the server's side alone (kvd's serve_once, the echo's loop iteration), C codec turns only
     kvd_server: dict[str, list[int]] = {op: [] for op in OPS}
     echo_server: dict[str, list[int]] = {op: [] for op in OPS}
+    # kvd's server side again with its handler answering constants: the framework's share
+    stub_server: dict[str, list[int]] = {op: [] for op in OPS}
     has_c = protocol.use_c(True)  # (off where kvd/_wire.c was not built: no pure column then)
     stage_samples: dict[str, list[int]] = {f"{op}:{stage}": [] for op in OPS
                                            for stage in ("decode", "handle", "encode")}
     key = 0
     with tempfile.TemporaryDirectory(prefix="kvd-path-") as directory:
         inline, echo = InlineDaemon(directory), InlineEcho()
-        # (server, samples, server-side samples, whether its turn runs with the C codec)
-        servers = [(inline, kvd_samples, kvd_server, True),
-                   (echo, echo_samples, echo_server, True)]
+        handle = inline.daemon._handle
+        # (server, samples, server-side samples, whether its turn runs with the C codec, and
+        # the daemon's handler for it)
+        servers = [(inline, kvd_samples, kvd_server, True, handle),
+                   (echo, echo_samples, echo_server, True, handle),
+                   (inline, {op: [] for op in OPS}, stub_server, True, constant_answer)]
         if has_c:
-            servers.append((inline, pure_samples, {op: [] for op in OPS}, False))
+            servers.append((inline, pure_samples, {op: [] for op in OPS}, False, handle))
         try:
             for chunk in range(num_chunks + 1):  # the first chunk warms up and is dropped
                 progress(f"request path: chunk {chunk + 1} of {num_chunks + 1}")
                 keep = chunk > 0
-                for server, samples, server_samples, with_c in servers:
+                for server, samples, server_samples, with_c, handler in servers:
                     protocol.use_c(with_c)
+                    inline.daemon._handle = handler
                     for _ in range(CHUNK):
                         key += 1
                         timed_round(server, digests(key, 1),
                                     samples if keep else {op: [] for op in OPS},
                                     server_samples if keep else {op: [] for op in OPS})
                     protocol.use_c(has_c)
+                    inline.daemon._handle = handle
                 for _ in range(CHUNK):
                     key += 1
                     stage_times(inline, digests(key, 1),
@@ -215,15 +228,23 @@ def run(quick: bool) -> dict[str, Any]:
         rows[op] = {"kvd_us": mine, "echo_us": floor, "ratio": mine / floor,
                     "kvd_server_us": mine_server, "echo_server_us": floor_server,
                     "server_ratio": floor_server / mine_server,
+                    "constant_handler_server_us": median_us(stub_server[op]),
                     "pure_python_us": median_us(pure_samples[op]) if has_c else None,
                     **{stage: median_us(stage_samples[f"{op}:{stage}"])
                        for stage in ("decode", "handle", "encode")}}
     # What scaling's saturated servers tend to (bench/scaling.py): the floor's server time per
     # request over kvd's, over the round's mix of ops.
-    round_server_ratio = (sum(rows[op]["echo_server_us"] for op in ROUND)
-                          / sum(rows[op]["kvd_server_us"] for op in ROUND))
+    def per_round(field: str) -> float:
+        return sum(rows[op][field] for op in ROUND)
+    round_server_ratio = per_round("echo_server_us") / per_round("kvd_server_us")
     return {"num_blocks": NUM_BLOCKS, "rounds": num_chunks * CHUNK, "has_c": has_c, "ops": rows,
-            "round_server_ratio": round_server_ratio}
+            "round_server_ratio": round_server_ratio,
+            # kvd's server time over the floor's with the handler answering constants, and the
+            # handler's share of a request in the daemon (µs)
+            "round_constant_handler_ratio": (per_round("constant_handler_server_us")
+                                             / per_round("echo_server_us")),
+            "handler_us_per_request": (per_round("kvd_server_us")
+                                       - per_round("constant_handler_server_us")) / len(ROUND)}
 
 
 def _pure_cells(row: dict[str, Any]) -> list[str]:
@@ -256,7 +277,11 @@ def markdown(results: dict[str, Any]) -> str:
             f"the echo server's loop iteration): over a round (alloc, seal, release, lookup, "
             f"release) the floor's server time is {results['round_server_ratio']:.2f}x kvd's, "
             f"what a saturated daemon's throughput tends to against the floor's when every "
-            f"worker has a core (bench/scaling.py's goal: >= 0.8x at 8 workers).\n\n"
+            f"worker has a core (bench/scaling.py's goal: >= 0.8x at 8 workers). With the "
+            f"daemon's handler answering constants (no validation, no pool), kvd's server time "
+            f"is {results['round_constant_handler_ratio']:.2f}x the floor's over the round: the "
+            f"handler takes {results['handler_us_per_request']:.2f} µs of a request in the "
+            f"daemon, the rest is the daemon's own path.\n\n"
             + table + "\n")
 
 

@@ -176,18 +176,37 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], out: Path) -> Path:
+    """Throughput of both servers, and kvd / floor per point with its turns' range."""
     plt = pyplot()
-    figure, axes = plt.subplots(figsize=(6, 3.5))
-    workers = [r["workers"] for r in results["rows"]]
-    axes.plot(workers, [r["kvd"]["requests_per_s"] for r in results["rows"]], marker="o",
-              label="kvd daemon")
-    axes.plot(workers, [r["echo"]["requests_per_s"] for r in results["rows"]], marker="s",
-              label="msgpack echo floor")
-    axes.set(xscale="log", xticks=workers, xticklabels=[str(w) for w in workers],
-             xlabel="worker processes", ylabel="aggregate requests/s",
-             title=f"Scaling with workers ({results['cpus']} CPUs)")
-    axes.set_ylim(bottom=0)
-    axes.legend()
+    figure, (throughput, ratios) = plt.subplots(1, 2, figsize=(10, 3.8))
+    rows = results["rows"]
+    workers = [r["workers"] for r in rows]
+    throughput.plot(workers, [r["kvd"]["requests_per_s"] for r in rows], marker="o",
+                    label="kvd daemon")
+    throughput.plot(workers, [r["echo"]["requests_per_s"] for r in rows], marker="s",
+                    label="msgpack echo floor")
+    throughput.set(ylabel="aggregate requests/s",
+                   title=f"Scaling with workers ({results['cpus']} CPUs)")
+    throughput.set_ylim(bottom=0)
+    for key, turns_key, label, marker in (
+            ("ratio", "turn_ratios", "requests/s, kvd / floor", "o"),
+            ("saturated_ratio", "turn_saturated_ratios",
+             "server CPU per request, floor / kvd", "s")):
+        medians = [r[key] for r in rows]
+        spread = [[m - min(r[turns_key]) for m, r in zip(medians, rows)],
+                  [max(r[turns_key]) - m for m, r in zip(medians, rows)]]
+        ratios.errorbar(workers, medians, yerr=spread, marker=marker, capsize=3, label=label)
+    ratios.axhline(results["goal_ratio_at_8_workers"], color="red", linestyle="--",
+                   linewidth=0.8, label="goal at 8 workers (16 cores)")
+    ratios.axhline(1.0, color="black", linewidth=0.8)
+    ratios.set(ylabel="ratio (median, bars: turns' range)", title="kvd against the floor")
+    ratios.set_ylim(bottom=0)
+    for axes in (throughput, ratios):
+        axes.set_xscale("log")
+        axes.set_xticks(workers, [str(w) for w in workers])
+        axes.minorticks_off()  # (log axes would label 3, 5, 6 ... as 3x10^0)
+        axes.set_xlabel("worker processes")
+        axes.legend(fontsize=8)
     return save_plot(figure, out, "scaling")
 
 

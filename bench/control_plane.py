@@ -26,7 +26,7 @@ Goals (issue 5): p50 <= 1.3x the floor at batch 1, judged on the batch-1 rows wh
 placed alike (a row where the scheduler put only one of them beside the client compares two
 placements, not kvd with its floor); >= 500,000 block-ops/s at batch 256.
 
-    python -m bench.control_plane [--quick] [--out DIR]
+    python -m bench.control_plane [--quick] [--out DIR] [--placement-trials N]
 """
 
 from __future__ import annotations
@@ -429,6 +429,14 @@ def run(quick: bool) -> dict[str, Any]:
     return results
 
 
+def placement_table(trials: list[dict[str, Any]]) -> str:
+    return markdown_table(
+        ["trial", "started first", "kvd p50 µs (slowest op)", "echo p50 µs (slowest op)",
+         "p50 / floor (worst op)", "on the client's CPU: kvd / echo"],
+        [[i + 1, t["started_first"], f"{t['kvd_p50_us']:.1f}", f"{t['echo_p50_us']:.1f}",
+          f"{t['p50_ratio']:.2f}x", _placement(t)] for i, t in enumerate(trials)])
+
+
 def _placement(row: dict[str, Any]) -> str:
     shares = row["on_client_cpu"]
     return (f"{shares['kvd']:.0%} / {shares['echo']:.0%}"
@@ -480,12 +488,7 @@ def markdown(results: dict[str, Any]) -> str:
         ["echo server on", "p50 µs", "p99 µs", "server CPU µs / request"],
         [[name, f"{row['p50_us']:.1f}", f"{row['p99_us']:.1f}", f"{row['server_cpu_us']:.1f}"]
          for name, row in loops.items()])
-    trials = results["placement_trials"]
-    trial_table = markdown_table(
-        ["trial", "started first", "kvd p50 µs (slowest op)", "echo p50 µs (slowest op)",
-         "p50 / floor (worst op)", "on the client's CPU: kvd / echo"],
-        [[i + 1, t["started_first"], f"{t['kvd_p50_us']:.1f}", f"{t['echo_p50_us']:.1f}",
-          f"{t['p50_ratio']:.2f}x", _placement(t)] for i, t in enumerate(trials)])
+    trial_table = placement_table(results["placement_trials"])
     return ("## Control plane: round trip vs a msgpack echo server (bench/control_plane.py)\n\n"
             + table + "\n" + goals + "\n\nPlacement trials: batch 1 free-running, each on a "
             "fresh pair of servers started one after the other (which first alternating), with "
@@ -547,9 +550,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--echo-server", metavar="SOCKET", help=argparse.SUPPRESS)
     parser.add_argument("--echo-loop", choices=("selectors", "asyncio"), default="selectors",
                         help=argparse.SUPPRESS)
+    parser.add_argument("--placement-trials", type=int, metavar="N",
+                        help="only the placement trials, N of them (prints their table)")
     args = parser.parse_args(argv)
     if args.echo_server:
         (serve_echo_asyncio if args.echo_loop == "asyncio" else serve_echo)(args.echo_server)
+        return 0
+    if args.placement_trials:
+        print(placement_table(placement_trials(args.placement_trials, rounds_for(1, False) // 3)))
         return 0
     print(run_bench(args.quick, args.out))
     return 0

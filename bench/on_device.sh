@@ -16,9 +16,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench/results/device}
 mkdir -p "$out"
-exec > >(tee "$out/log.txt") 2>&1
 export PYTHONUNBUFFERED=1
 
+run() {
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/kvd-site .whl/*.whl
@@ -46,3 +46,5 @@ python3 -c "import kvd._wire, kvd._copy, kvd._pool, kvd._latency, kvd.policies._
 echo "== $(nproc) CPUs; $(uname -srm); $(python3 -V); $(date -u '+%F %H:%M UTC')"
 python3 -m bench.scaling --workers 1,2,4,8,16 --turns 5 --out "$out"
 python3 -m bench.request_path --out "$out"
+}
+run 2>&1 | tee "$out/log.txt"  # (pipefail: the run's status; the log complete when this returns)

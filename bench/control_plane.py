@@ -16,11 +16,11 @@ Daemons: `kvd start --no-journal` and journaled (seals committed to SQLite befor
 Placement. Free-running on a small VM, the scheduler decides whether a server shares its
 client's vCPU (a wake-up on the same CPU) or runs on the other one (an IPI to a halted vCPU, twice
 per round trip), and it does not decide alike for kvd and the floor: a server it once puts beside
-the client stays there, and on the 2-vCPU VMs measured here that was the server started first
-(the placement trials: fresh pairs, batch 1, the order alternating). So every row samples where
-each server last ran (/proc/PID/stat), and batch 1 is also measured with placement held equal:
-every process on one CPU, and the client on one CPU with both servers on another (each round
-trip then crosses vCPUs for kvd and the floor alike).
+the client stays there, and on the 2-vCPU VMs measured here that was mostly the server started
+first (the placement trials: fresh pairs, batch 1, the order alternating). So every row samples
+where each server last ran (/proc/PID/stat), and batch 1 is also measured with placement held
+equal: every process on one CPU, and the client on one CPU with both servers on another (each
+round trip then crosses vCPUs for kvd and the floor alike).
 
 Goals (issue 5): p50 <= 1.3x the floor at batch 1, judged on the batch-1 rows whose servers were
 placed alike (a row where the scheduler put only one of them beside the client compares two
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import selectors
 import shutil
@@ -275,9 +276,10 @@ def measure(daemon: Daemon, echo: EchoServer, batch_size: int, num_rounds: int,
 
 def placement_trials(num_trials: int, num_rounds: int) -> list[dict[str, Any]]:
     """Batch 1 free-running on fresh pairs of servers, started in alternating order: on the
-    2-vCPU VMs measured here the server started first was the one the scheduler put beside the
-    client (and kept there), so kvd / floor flipped with the order (0.33-0.35x with kvd first,
-    2.5-3.1x with the echo server first, 2026-12-03)."""
+    2-vCPU VMs measured here the server started first was mostly the one the scheduler put
+    beside the client (and kept there), so kvd / floor flipped with the order (`--placement-trials
+    8` on 2026-12-03: 2.15-2.68x with the echo server first, 4 of 4 beside the client; 0.37-0.48x
+    with kvd first, 3 of 4)."""
     trials = []
     for trial in range(num_trials):
         first = ("echo", "kvd")[trial % 2]
@@ -461,7 +463,7 @@ def markdown(results: dict[str, Any]) -> str:
     base = results["daemons"]["no-journal"]
     batch1 = [base["1"]] + [p[2] for p in placed]
     alike = [row for row in batch1 if row["placed_alike"]]
-    worst_alike = max(row[op]["p50_ratio"] for row in alike for op in OPS)
+    worst_alike = max((row[op]["p50_ratio"] for row in alike for op in OPS), default=math.nan)
     unlike = [f"{max(row[op]['p50_ratio'] for op in OPS):.2f}x" for row in batch1
               if not row["placed_alike"]]
     slowest = min(base["256"][op]["block_ops_per_s"] for op in OPS)
@@ -469,9 +471,9 @@ def markdown(results: dict[str, Any]) -> str:
              f"where the two servers were placed alike ({len(alike)} of the {len(batch1)} "
              f"batch-1 rows; goal <= {GOAL_RATIO_BATCH1}x: "
              f"{'met' if worst_alike <= GOAL_RATIO_BATCH1 else 'NOT met'})"
-             + (f"; the free-running row, whose servers the scheduler placed differently, read "
-                f"{', '.join(unlike)} (not a comparison of kvd with its floor: see the placement "
-                f"trials below)" if unlike else "")
+             + (f"; rows whose servers were placed differently read {', '.join(unlike)} (not "
+                f"a comparison of kvd with its floor: see the placement trials below)"
+                if unlike else "")
              + f"; the slowest op at batch 256 does {slowest:,.0f} block-ops/s, a full "
              f"alloc/seal/release/lookup/release cycle {base['256']['cycle_block_ops_per_s']:,.0f} "
              f"(goal >= {GOAL_BLOCK_OPS_PER_S:,}: "

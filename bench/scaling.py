@@ -35,7 +35,11 @@ from typing import Any
 from bench.common import ROOT, Daemon, markdown_table, progress, pyplot, save_plot, write_json
 from bench.control_plane import EchoClient, EchoServer, cpu_ns
 
-NUM_BLOCKS = 1 << 18  # nothing is evicted in a run: eviction is bench/pool.py's
+# Every kvd cycle leaves one more block cached (its keys are fresh), so the pool must outlast
+# the run for nothing to be evicted (eviction is bench/pool.py's): 2-core runs cache ~70k
+# blocks, and a 16-core host may serve ~10x the requests. Each point reports the evictions it
+# saw anyway. (512 B blocks: 128 MiB of /dev/shm on 2 cores, 1 GiB on 16.)
+NUM_BLOCKS = max(1 << 18, (os.cpu_count() or 1) << 17)
 GOAL_RATIO_AT_8 = 0.8
 KEYS_PER_WORKER = 1 << 40  # disjoint hash ranges per worker and run
 
@@ -117,14 +121,16 @@ def run(worker_counts: list[int], duration_s: float, num_turns: int) -> dict[str
     """Each point is `num_turns` turns of kvd and the floor back to back (which goes first
     alternates), `duration_s` each: a VM's drift within the point then moves both sides of a
     turn alike, and the medians over turns are what is reported."""
-    results: dict[str, Any] = {"cpus": os.cpu_count(), "duration_s": duration_s,
+    results: dict[str, Any] = {"cpus": os.cpu_count(), "num_blocks": NUM_BLOCKS,
+                               "duration_s": duration_s,
                                "turns": num_turns, "goal_ratio_at_8_workers": GOAL_RATIO_AT_8,
                                "rows": []}
     run_indices = itertools.count()
-    with EchoServer() as echo, Daemon(NUM_BLOCKS) as daemon:
+    with EchoServer() as echo, Daemon(NUM_BLOCKS) as daemon, daemon.connect() as watcher:
         servers = {"kvd": (daemon.socket_path, daemon.proc.pid),
                    "echo": (echo.socket_path, echo.proc.pid)}
         for num_workers in worker_counts:
+            evictions_before = watcher.stats()["evictions"]
             progress(f"scaling: {num_workers} workers, {num_turns} turns of {duration_s} s each "
                      "for kvd and echo")
             turns: list[dict[str, dict[str, float]]] = []
@@ -142,7 +148,8 @@ def run(worker_counts: list[int], duration_s: float, num_turns: int) -> dict[str
                 **{kind: {field: median([t[kind][field] for t in turns])
                           for field in turns[0][kind]} for kind in ("kvd", "echo")},
                 "ratio": median(ratios), "turn_ratios": ratios,
-                "saturated_ratio": median(saturated), "turn_saturated_ratios": saturated})
+                "saturated_ratio": median(saturated), "turn_saturated_ratios": saturated,
+                "evictions": watcher.stats()["evictions"] - evictions_before})
     return results
 
 
@@ -171,7 +178,13 @@ def markdown(results: dict[str, Any]) -> str:
             "the ratio mostly reflects per-request CPU on both sides. Server CPU per request "
             "(from /proc/PID/schedstat over each point) is what bounds a saturated server: "
             "once both run flat out on cores of their own, kvd / floor tends to the last "
-            "column, the floor's CPU per request over kvd's.")
+            "column, the floor's CPU per request over kvd's. "
+            f"Pool of {results['num_blocks']:,} blocks: "
+            + (", ".join(f"{r['evictions']:,} evictions at {r['workers']} workers"
+                         for r in results["rows"] if r["evictions"])
+               + " (those points also measured eviction)"
+               if any(r["evictions"] for r in results["rows"]) else "nothing was evicted")
+            + ".")
     return ("## Scaling with worker processes (bench/scaling.py)\n\n" + table + "\n" + note + "\n")
 
 

@@ -43,7 +43,13 @@ for module in modules:
 EOF
 python3 -c "import kvd._wire, kvd._copy, kvd._pool, kvd._latency, kvd.policies._s3fifo"
 
+# The scaling pool takes 1 GiB of /dev/shm on 16 cores; a container's default is 64 MiB.
+shm_free_kib=$(df -k --output=avail /dev/shm | tail -n 1)
+if [ "$shm_free_kib" -lt $((2 * 1024 * 1024)) ]; then
+    mount -o remount,size=8G /dev/shm || echo "== /dev/shm is small and could not be enlarged"
+fi
 echo "== $(nproc) CPUs; $(uname -srm); $(python3 -V); $(date -u '+%F %H:%M UTC')"
+df -h /dev/shm
 python3 -m bench.scaling --workers 1,2,4,8,16 --turns 5 --out "$out"
 python3 -m bench.request_path --out "$out"
 }

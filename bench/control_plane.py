@@ -18,9 +18,9 @@ client's vCPU (a wake-up on the same CPU) or runs on the other one (an IPI to a 
 per round trip), and it does not decide alike for kvd and the floor: a server it once puts beside
 the client stays there, and on the 2-vCPU VMs measured here that was mostly the server started
 first (the placement trials: fresh pairs, batch 1, the order alternating). So every row samples
-where each server last ran (/proc/PID/stat), and batch 1 is also measured with placement held
-equal: every process on one CPU, and the client on one CPU with both servers on another (each
-round trip then crosses vCPUs for kvd and the floor alike).
+where each server last ran (/proc/PID/stat), and every batch size is also measured with
+placement held equal: every process on one CPU, and the client on one CPU with both servers on
+another (each round trip then crosses vCPUs for kvd and the floor alike).
 
 Goals (issue 5): p50 <= 1.3x the floor at batch 1, judged on the batch-1 rows whose servers were
 placed alike (a row where the scheduler put only one of them beside the client compares two
@@ -73,6 +73,7 @@ PLACEMENT_TOLERANCE = 0.15  # placed alike: shares on the client's CPU this clos
 NUM_PLACEMENT_TRIALS = 4
 CHUNK = 50  # request pairs per turn when kvd and the floor alternate in the CPU measurement
 GOAL_BLOCK_OPS_PER_S = 500_000
+PLACED_ONE_CPU, PLACED_APART = "one CPU", "servers on the other CPU"
 _LENGTH = struct.Struct(">I")
 
 
@@ -417,25 +418,35 @@ def run(quick: bool) -> dict[str, Any]:
                 results.setdefault("cpu_per_request", {})[mode] = measure_cpu(
                     daemon, echo, 200 if quick else 4000)
                 if not journal:
-                    progress("control plane: no-journal, batch 1, every process on one CPU")
-                    with one_cpu(os.getpid(), echo.proc.pid, daemon.proc.pid):
-                        results["one_cpu_batch1"] = measure(daemon, echo, 1, rounds_for(1, quick),
-                                                            next_key)
-                    next_key += rounds_for(1, quick) + 5
-                    cpus = sorted(os.sched_getaffinity(os.getpid()))
-                    if len(cpus) >= 2:
-                        progress("control plane: no-journal, batch 1, both servers on a CPU "
-                                 "of their own")
-                        with pinned({os.getpid(): cpus[0], echo.proc.pid: cpus[1],
-                                     daemon.proc.pid: cpus[1]}):
-                            results["other_cpu_batch1"] = measure(
-                                daemon, echo, 1, rounds_for(1, quick), next_key)
+                    results["placed"] = measure_placed(daemon, echo, quick, next_key)
             results["daemons"][mode] = rows
     results["placement_trials"] = placement_trials(2 if quick else NUM_PLACEMENT_TRIALS,
                                                    rounds_for(1, quick) // 3)
     progress("control plane: event loops (selectors vs asyncio Protocol echo)")
     results["event_loops"] = measure_event_loops(200 if quick else 4000)
     return results
+
+
+def measure_placed(daemon: Daemon, echo: EchoServer, quick: bool,
+                   first_key: int) -> dict[str, dict[str, Any]]:
+    """Every batch size with placement held equal for kvd and the floor: every process on one
+    CPU, then (given two) the client on one CPU and both servers on another."""
+    cpus = sorted(os.sched_getaffinity(os.getpid()))
+    pids = (os.getpid(), echo.proc.pid, daemon.proc.pid)
+    placements = {PLACED_ONE_CPU: lambda: one_cpu(*pids)}
+    if len(cpus) >= 2:
+        placements[PLACED_APART] = lambda: pinned({pids[0]: cpus[0], pids[1]: cpus[1],
+                                                   pids[2]: cpus[1]})
+    placed: dict[str, dict[str, Any]] = {}
+    for name, placement in placements.items():
+        rows = placed[name] = {}
+        for batch_size in BATCH_SIZES:
+            num_rounds = rounds_for(batch_size, quick)
+            progress(f"control plane: no-journal, batch {batch_size}, {name}")
+            with placement():
+                rows[str(batch_size)] = measure(daemon, echo, batch_size, num_rounds, first_key)
+            first_key += (num_rounds + 5) * batch_size
+    return placed
 
 
 def placement_table(trials: list[dict[str, Any]]) -> str:
@@ -453,10 +464,8 @@ def _placement(row: dict[str, Any]) -> str:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    one = results["one_cpu_batch1"]
-    placed = [("no-journal, one CPU", "1", one)]
-    if "other_cpu_batch1" in results:
-        placed.append(("no-journal, servers on the other CPU", "1", results["other_cpu_batch1"]))
+    placed = [(f"no-journal, {name}", batch, row) for name, by_batch in results["placed"].items()
+              for batch, row in by_batch.items()]
     measured = [(mode, batch, row) for mode, by_batch in results["daemons"].items()
                 for batch, row in by_batch.items()] + placed
     rows = [[mode, batch, op, f"{row[op]['kvd']['p50_us']:.1f}", f"{row[op]['kvd']['p99_us']:.1f}",
@@ -468,7 +477,7 @@ def markdown(results: dict[str, Any]) -> str:
                             "echo p99 µs", "p50 / floor", "block-ops/s (p50)",
                             "on the client's CPU: kvd / echo"], rows)
     base = results["daemons"]["no-journal"]
-    batch1 = [base["1"]] + [p[2] for p in placed]
+    batch1 = [base["1"]] + [by_batch["1"] for by_batch in results["placed"].values()]
     alike = [row for row in batch1 if row["placed_alike"]]
     worst_alike = max((row[op]["p50_ratio"] for row in alike for op in OPS), default=math.nan)
     unlike = [f"{max(row[op]['p50_ratio'] for op in OPS):.2f}x" for row in batch1
@@ -515,25 +524,30 @@ def markdown(results: dict[str, Any]) -> str:
 def plot(results: dict[str, Any], out: Path) -> Path:
     plt = pyplot()
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
-    base = results["daemons"]["no-journal"]
-    groups = [(f"{batch}\nfree-running", row) for batch, row in base.items()]
-    groups[1:1] = [("1\none CPU", results["one_cpu_batch1"])] + (
-        [("1\nservers on\nthe other CPU", results["other_cpu_batch1"])]
-        if "other_cpu_batch1" in results else [])
-    width = 0.18
-    for i, op in enumerate(OPS):
-        x = [j + i * width for j in range(len(groups))]
-        axes[0].bar(x, [row[op]["p50_ratio"] for _, row in groups], width, label=op)
+    # Per batch size, kvd / floor of its slowest op in each placement (hatched: placed unlike).
+    from matplotlib.patches import Patch
+
+    placements = {"free-running": results["daemons"]["no-journal"], **results["placed"]}
+    width = 0.8 / len(placements)
+    handles = []
+    for i, (name, by_batch) in enumerate(placements.items()):
+        x = [j + i * width for j in range(len(BATCH_SIZES))]
+        rows = [by_batch[str(batch)] for batch in BATCH_SIZES]
+        bars = axes[0].bar(x, [max(row[op]["p50_ratio"] for op in OPS) for row in rows], width)
+        for bar, row in zip(bars, rows):
+            if not row["placed_alike"]:
+                bar.set_hatch("//")
+        handles.append(Patch(facecolor=bars[0].get_facecolor(), label=name))
+    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//",
+                         label="servers placed unlike"))
     axes[0].axhline(1.0, color="black", linewidth=0.8)
-    axes[0].axhline(GOAL_RATIO_BATCH1, color="red", linestyle="--", linewidth=0.8,
-                    label=f"goal {GOAL_RATIO_BATCH1}x (batch 1)")
-    axes[0].set(xticks=[j + 1.5 * width for j in range(len(groups))],
-                xticklabels=[name + ("" if row["placed_alike"] else "\n(placed unlike)")
-                             for name, row in groups],
-                xlabel="batch size, placement", ylabel="kvd p50 / echo p50",
+    handles.append(axes[0].axhline(GOAL_RATIO_BATCH1, color="red", linestyle="--",
+                                   linewidth=0.8, label=f"goal {GOAL_RATIO_BATCH1}x (batch 1)"))
+    axes[0].set(xticks=[j + 0.4 - width / 2 for j in range(len(BATCH_SIZES))],
+                xticklabels=[str(batch) for batch in BATCH_SIZES], xlabel="batch size",
+                ylabel="kvd p50 / echo p50 (slowest op)",
                 title="Round trip vs the echo floor (no journal)")
-    axes[0].tick_params(axis="x", labelsize=7)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(handles=handles, fontsize=7, loc="upper left")
     for mode, by_batch in results["daemons"].items():
         axes[1].plot([int(b) for b in by_batch],
                      [min(by_batch[b][op]["block_ops_per_s"] for op in OPS) for b in by_batch],

@@ -16,7 +16,7 @@ Daemons: `kvd start --no-journal` and journaled (seals committed to SQLite befor
 Placement. Free-running on a small VM, the scheduler decides whether a server shares its
 client's vCPU (a wake-up on the same CPU) or runs on the other one (an IPI to a halted vCPU, twice
 per round trip), and it does not decide alike for kvd and the floor: a server it once puts beside
-the client stays there, and on the 2-vCPU VMs measured here that was mostly the server started
+the client stays there, and on the 2-vCPU VMs measured here that was often the server started
 first (the placement trials: fresh pairs, batch 1, the order alternating). So every row samples
 where each server last ran (/proc/PID/stat), and every batch size is also measured with
 placement held equal: every process on one CPU, and the client on one CPU with both servers on
@@ -288,10 +288,10 @@ def placed_alike(on_client_cpu: dict[str, float]) -> bool:
 
 def placement_trials(num_trials: int, num_rounds: int) -> list[dict[str, Any]]:
     """Batch 1 free-running on fresh pairs of servers, started in alternating order: on the
-    2-vCPU VMs measured here the server started first was mostly the one the scheduler put
-    beside the client (and kept there), so kvd / floor flipped with the order (`--placement-trials
-    8` on 2026-12-03: 2.15-2.68x with the echo server first, 4 of 4 beside the client; 0.37-0.48x
-    with kvd first, 3 of 4)."""
+    2-vCPU VMs measured here the server started first was often the one the scheduler put beside
+    the client (and kept there), so kvd / floor flipped with the order (`--placement-trials 8` on
+    2026-12-03 14:10: 2.15-2.68x with the echo server first, 4 of 4 beside the client;
+    0.37-0.48x with kvd first, 3 of 4), though in other hours neither server held the seat."""
     trials = []
     for trial in range(num_trials):
         first = ("echo", "kvd")[trial % 2]

@@ -28,14 +28,19 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 python3 - <<'EOF'
 """Compile every ext-module pyproject.toml declares, in place, as setuptools would."""
-import shlex, subprocess, sysconfig, tomllib
+import os, shlex, shutil, subprocess, sysconfig, tomllib
 
 config = sysconfig.get_config_vars()
+# The compiler the interpreter was built with, unless that one is not on this machine (a
+# relocatable build names its build host's): then $CC, gcc or cc.
+compiler = shlex.split(os.environ.get("CC") or config["CC"])
+if shutil.which(compiler[0]) is None:
+    compiler = [next(name for name in ("gcc", "cc") if shutil.which(name))]
 with open("pyproject.toml", "rb") as file:
     modules = tomllib.load(file)["tool"]["setuptools"]["ext-modules"]
 for module in modules:
     target = module["name"].replace(".", "/") + config["EXT_SUFFIX"]
-    command = [*shlex.split(config["CC"]), *shlex.split(config["CCSHARED"]), "-shared",
+    command = [*compiler, *shlex.split(config["CCSHARED"]), "-shared",
                *module.get("extra-compile-args", []), f"-I{sysconfig.get_paths()['include']}",
                *module["sources"], "-o", target]
     print("building", target, flush=True)

@@ -18,9 +18,14 @@ with `kvd stop --keep`), the next call reconnects with bounded exponential backo
 nothing from the lost session are retried (RETRIED_OPS), ops that only drop pins succeed
 (SATISFIED_BY_RESTART), and the rest raise DisconnectedError once reconnected, because the
 blocks or sequences they name died with the old session. Pins a caller took before the restart
-died too, even when the call that noticed it was retried: releasing them then raises
-NotFoundError. A recovered daemon serves the same
-segment, so every view stays valid.
+died too, even when the call that noticed it was retried. A recovered daemon serves the same
+segment, so every view stays valid. A daemon that started clean serves a new segment: views
+taken before show the old, unlinked memory, where writes reach nobody, so the call that notices
+raises DisconnectedError whatever its op (the client is reconnected; take `pool` and views
+again). The old mapping is unmapped as soon as no view holds it.
+
+A reply that does not come within `timeout_s` closes the client: the daemon may still answer
+(or have applied the request), so the session cannot go on; it is not taken for a restart.
 
 Views are built with `np.frombuffer` over the mapping, so `close()` raises InUseError while any
 view is alive rather than leaving readers on unmapped memory; drop views before closing.
@@ -28,6 +33,7 @@ view is alive rather than leaving readers on unmapped memory; drop views before 
 
 from __future__ import annotations
 
+import operator
 import os
 import socket
 import time
@@ -38,7 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from kvd.errors import BadArgsError, DeniedError, DisconnectedError, InUseError, KvdError
+from kvd.errors import (
+    BadArgsError, DeniedError, DisconnectedError, InUseError, KvdError, NotFoundError,
+)
 from kvd.geometry import Geometry
 from kvd.hashing import token_bytes
 from kvd.protocol import (
@@ -95,6 +103,12 @@ class Client:
             reconnect_timeout_s: how long to keep retrying (with backoff) when the daemon goes
                 away mid-session, e.g. while it restarts with --recover; 0 never reconnects.
         """
+        if timeout_s is not None and not (_is_seconds(timeout_s) and timeout_s > 0):
+            raise BadArgsError("timeout_s must be a number of seconds > 0, or None to wait for "
+                               f"every reply, got {timeout_s!r}")
+        if not (_is_seconds(reconnect_timeout_s) and reconnect_timeout_s >= 0):
+            raise BadArgsError("reconnect_timeout_s must be a number of seconds >= 0 (0: never "
+                               f"reconnect), got {reconnect_timeout_s!r}")
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self.reconnect_timeout_s = reconnect_timeout_s
@@ -124,27 +138,49 @@ class Client:
         self._sock.settimeout(self.timeout_s)
         try:
             self._sock.connect(self.socket_path)
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            raise DisconnectedError(f"no kvd daemon at {self.socket_path} ({exc.strerror}): "
-                                    "start one with `kvd start`") from None
         except PermissionError:  # the socket or its directory belongs to another user
             raise DeniedError(f"no permission to connect to {self.socket_path}: a daemon serves "
                               "its own user only; run as that user or start your own "
                               "daemon") from None
-        self.info = self._request("hello", {"version": PROTOCOL_VERSION, "pid": os.getpid()})
+        except OSError as exc:  # absent, refused, or a backlog full for longer than timeout_s
+            raise DisconnectedError(f"no kvd daemon at {self.socket_path} ({exc}): start one "
+                                    "with `kvd start`") from None
+        try:
+            self.info = self._request("hello", {"version": PROTOCOL_VERSION,
+                                                "pid": os.getpid()})
+        except TimeoutError:
+            raise DisconnectedError(f"the kvd daemon at {self.socket_path} did not answer "
+                                    f"hello within timeout_s={self.timeout_s} s") from None
         self.geometry = Geometry.from_dict(self.info["geometry"])
         self.session_id: int = self.info["session_id"]
         if self._segment is not None and self._segment.uuid == self.info["segment_uuid"]:
             return  # a recovered daemon serves the same segment: every view stays valid
         if self._segment is not None:
-            # A new segment: old views point at the old (unlinked) memory; keep it mapped so
-            # they never touch unmapped pages, and hand out views of the new one from now on.
+            # A new segment: old views point at the old (unlinked) memory; keep it mapped while
+            # they live so they never touch unmapped pages, and hand out views of the new one.
             self._stale_segments.append(self._segment)
             self._segment, self._pool = None, None
-        self._segment = Segment.attach(self.info["segment"])
-        if self._segment.uuid != self.info["segment_uuid"]:
+        self._close_stale_segments()
+        try:
+            segment = Segment.attach(self.info["segment"])
+        except NotFoundError:  # the daemon was replaced between its hello and our attach
+            raise DisconnectedError(f"segment {self.info['segment']} is gone (the daemon "
+                                    "restarted): reconnect") from None
+        if segment.uuid != self.info["segment_uuid"]:
+            segment.close()  # no view of it was handed out
             raise DisconnectedError(f"segment {self.info['segment']} is not the one the "
                                     "daemon serves (it was replaced): reconnect")
+        self._segment = segment
+
+    def _close_stale_segments(self) -> None:
+        """Unmap replaced segments no view holds any more (their memory goes back to the host)."""
+        still_viewed = []
+        for segment in self._stale_segments:
+            try:
+                segment.close()
+            except InUseError:
+                still_viewed.append(segment)
+        self._stale_segments = still_viewed
 
     # ---- plumbing --------------------------------------------------------------------------
     def _call(self, op: str, args: dict[str, Any]) -> Any:
@@ -156,25 +192,57 @@ class Client:
             raise DisconnectedError("the client is closed: call kvd.connect() again")
         try:
             return self._request(op, args)
+        except TimeoutError:
+            raise self._timed_out(op) from None
         except DisconnectedError as lost:
             if self.reconnect_timeout_s <= 0:
+                self._close_socket()  # a half-read reply would put every later call out of step
                 raise
+            segment_uuid = self._segment.uuid
             self._reconnect(lost)
-        if op in RETRIED_OPS:
-            return self._request(op, args)
+        if self._segment.uuid != segment_uuid:
+            raise DisconnectedError(
+                f"the kvd daemon restarted clean during {op!r} and serves a new segment: "
+                "nothing cached survived, and views and `pool` taken before show the old, "
+                "unlinked memory (writes there reach nobody): take them again; the client is "
+                "reconnected")
         if op in SATISFIED_BY_RESTART:
             return None
-        raise DisconnectedError(
-            f"the kvd daemon restarted during {op!r}: this session's pins, unsealed blocks and "
-            "sequences are gone (sealed blocks survive a --recover restart: look them up "
-            "again); the client is reconnected")
+        if op not in RETRIED_OPS:
+            raise DisconnectedError(
+                f"the kvd daemon restarted during {op!r}: this session's pins, unsealed blocks "
+                "and sequences are gone (sealed blocks survive a --recover restart: look them "
+                "up again); the client is reconnected")
+        try:
+            return self._request(op, args)
+        except TimeoutError:
+            raise self._timed_out(op) from None
+        except DisconnectedError:
+            self._close_socket()  # gone again at once: leave reconnecting to the caller
+            raise
+
+    def _timed_out(self, op: str) -> DisconnectedError:
+        """Close the client after a reply did not come in time (a late one would answer the
+        next request) and say so."""
+        self._close_socket()
+        return DisconnectedError(
+            f"no reply to {op!r} within timeout_s={self.timeout_s} s: the client is closed (the "
+            "daemon drops this session's pins, unsealed blocks and sequences; the request may "
+            "have been applied); call kvd.connect() again")
 
     def _request(self, op: str, args: dict[str, Any]) -> Any:
         request_id = self._next_id
         self._next_id += 1
         sock, view = self._sock, self._recv_view
         try:
-            sock.sendall(self._encoder.request(request_id, op, args))
+            frame = self._encoder.request(request_id, op, args)
+        except TypeError as exc:  # msgpack has no encoding for an argument's type
+            raise BadArgsError(f"{op}: an argument cannot be sent ({exc}); pass ints, bytes, "
+                               "str, lists and None") from None
+        try:
+            sock.sendall(frame)
+        except TimeoutError:
+            raise  # the caller's to tell from a lost daemon
         except OSError as exc:
             self._raise_parting_error()
             raise DisconnectedError(f"lost the kvd daemon at {self.socket_path}: {exc}") from None
@@ -193,6 +261,8 @@ class Client:
                 bodies = decoder.feed(chunk)
                 if bodies:
                     break
+        except TimeoutError:
+            raise
         except OSError as exc:
             raise DisconnectedError(f"lost the kvd daemon at {self.socket_path}: {exc}") from None
         reply_id, result = reply if reply is not None else decode_reply(bodies[0])
@@ -230,18 +300,24 @@ class Client:
                 self.num_reconnects += 1
                 return
             except DisconnectedError:
-                if self._sock is not None:
-                    self._sock.close()
+                self._sock.close()
                 if time.monotonic() + delay_s > deadline:
+                    self._sock = None  # closed: later calls say so at once
                     raise DisconnectedError(f"{lost}; no daemon came back within "
                                             f"{self.reconnect_timeout_s} s") from None
                 time.sleep(delay_s)
                 delay_s = min(delay_s * 2, 0.5)
+            except BaseException:
+                self._close_socket()
+                raise
 
-    def _teardown(self) -> None:
+    def _close_socket(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+    def _teardown(self) -> None:
+        self._close_socket()
         self._pool = None
         segments, self._stale_segments = self._stale_segments, []
         if self._segment is not None:
@@ -269,9 +345,7 @@ class Client:
         # unmapping would raise InUseError and hide the real error. End the session and leave
         # the mapping to the garbage collector (it is unmapped once the last view is gone).
         _live_clients.discard(self)
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        self._close_socket()
         self._pool = self._segment = None
         self._stale_segments = []
 
@@ -310,7 +384,7 @@ class Client:
 
     def alloc(self, num_blocks: int) -> list[int]:
         """`num_blocks` writable blocks owned by this session. Raises NoSpaceError."""
-        return self._call("alloc", {"num_blocks": num_blocks})
+        return self._call("alloc", {"num_blocks": _int(num_blocks, "num_blocks")})
 
     def seal(self, block_ids: SequenceOf[int], hashes: SequenceOf[bytes],
              parents: SequenceOf[bytes | None] | None = None,
@@ -325,24 +399,25 @@ class Client:
                 that is `[parent, *hashes[:-1]]`. Sequences do this themselves.
             tiers: per block, 0 (written by prefill) or 1 (by decode), for a `--tiers` daemon.
         """
-        args: dict[str, Any] = {"block_ids": _ids(block_ids), "hashes": list(hashes)}
+        args: dict[str, Any] = {"block_ids": _ints(block_ids, "block_ids"),
+                                "hashes": _list(hashes, "hashes")}
         if parents is not None:
-            args["parents"] = list(parents)
+            args["parents"] = _list(parents, "parents")
         if tiers is not None:
-            args["tiers"] = [int(tier) for tier in tiers]
+            args["tiers"] = _ints(tiers, "tiers")
         return self._call("seal", args)
 
     def lookup(self, hashes: SequenceOf[bytes]) -> list[int]:
         """Block ids of the longest cached prefix of `hashes`, pinned for this session."""
-        return self._call("lookup", {"hashes": list(hashes)})
+        return self._call("lookup", {"hashes": _list(hashes, "hashes")})
 
     def pin(self, block_ids: SequenceOf[int]) -> None:
         """One more pin on each sealed block (to share it)."""
-        self._call("pin", {"block_ids": _ids(block_ids)})
+        self._call("pin", {"block_ids": _ints(block_ids, "block_ids")})
 
     def release(self, block_ids: SequenceOf[int]) -> None:
         """Drop one pin per block; unsealed blocks are freed, sealed ones stay cached."""
-        self._call("release", {"block_ids": _ids(block_ids)})
+        self._call("release", {"block_ids": _ints(block_ids, "block_ids")})
 
     def stats(self) -> dict[str, Any]:
         return self._call("stats", {})
@@ -361,7 +436,7 @@ class Client:
         """
         args: dict[str, Any] = {"tokens": token_bytes(token_ids), "salt": salt}
         if max_cached_tokens is not None:
-            args["max_cached_tokens"] = max_cached_tokens
+            args["max_cached_tokens"] = _int(max_cached_tokens, "max_cached_tokens")
         reply = self._call("seq_open", args)
         return Sequence(reply["seq_id"], reply["block_ids"], reply["num_tokens"],
                         reply["num_cached_tokens"], reply["num_sealed_blocks"],
@@ -379,7 +454,8 @@ class Client:
         (default: the tokens before this call). Returns the new block ids."""
         self._check_live(seq)
         data = token_bytes(token_ids)
-        num_computed = seq.num_tokens if num_computed is None else num_computed
+        num_computed = (seq.num_tokens if num_computed is None
+                        else _int(num_computed, "num_computed"))
         new_ids = self._call("seq_extend", {"seq_id": seq.seq_id, "tokens": data,
                                             "num_computed": num_computed})
         seq.num_sealed_blocks = max(seq.num_sealed_blocks,
@@ -391,7 +467,8 @@ class Client:
     def commit_sequence(self, seq: Sequence, num_computed: int | None = None) -> int:
         """Seal the full blocks below `num_computed` tokens (default all); returns how many."""
         self._check_live(seq)
-        num_computed = seq.num_tokens if num_computed is None else num_computed
+        num_computed = (seq.num_tokens if num_computed is None
+                        else _int(num_computed, "num_computed"))
         num_sealed = self._call("seq_commit", {"seq_id": seq.seq_id,
                                                "num_computed": num_computed})
         seq.num_sealed_blocks += num_sealed
@@ -412,9 +489,32 @@ class Client:
         seq.is_closed = True
 
 
-def _ids(block_ids: SequenceOf[int]) -> list[int]:
-    # msgpack cannot pack np.int64: accept NumPy ids from callers and send plain ints.
-    return [int(block_id) for block_id in block_ids]
+def _is_seconds(value: Any) -> bool:
+    return type(value) in (int, float)  # not bool, whose `True` would be one second
+
+
+def _int(value: Any, name: str) -> int:
+    """`value` as a plain int (msgpack cannot pack np.int64); never truncates a float."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise BadArgsError(f"{name} must be an int, got {value!r}") from None
+
+
+def _ints(values: Any, name: str) -> list[int]:
+    """Plain ints from a sequence of ints or NumPy integers (1.7 or "0" are refused, not cut)."""
+    index = operator.index
+    try:
+        return [index(value) for value in values]
+    except TypeError:
+        raise BadArgsError(f"{name} must be a sequence of ints, got {values!r}") from None
+
+
+def _list(values: Any, name: str) -> list[Any]:
+    try:
+        return list(values)
+    except TypeError:
+        raise BadArgsError(f"{name} must be a sequence, got {values!r}") from None
 
 
 def connect(name_or_socket_path: str | None = None, timeout_s: float | None = None,

@@ -97,6 +97,9 @@ def resolve_socket(name_or_socket_path: str | None) -> str:
     """`kvd.connect`'s argument → a socket path: a path (contains '/') or a daemon name."""
     if name_or_socket_path is None:
         name_or_socket_path = os.environ.get("KVD_NAME", DEFAULT_NAME)
+    if not isinstance(name_or_socket_path, str):
+        raise BadArgsError("kvd.connect() takes a daemon name or a socket path (str), got "
+                           f"{name_or_socket_path!r}")
     if "/" in name_or_socket_path:
         return name_or_socket_path
     return DaemonPaths.for_name(name_or_socket_path).socket_path

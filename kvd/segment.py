@@ -25,8 +25,9 @@ Layout (all integers little-endian; the segment never leaves the host)::
              │ 112  total nbytes     u64  = file size                       │
              │ 120  zero up to 4096                                         │
        4096 ├──────────────────────────────────────────────────────────────┤
-             │ generations: uint64[num_blocks]; the daemon bumps block i's  │
-             │ counter each time it goes back to FREE                       │
+             │ generations: uint64[num_blocks], all at a random base per    │
+             │ create; the daemon bumps block i's counter each time it goes │
+             │ back to FREE                                                 │
   pool off  ├── aligned up to 4096 ─────────────────────────────────────────┤
              │ pool: (num_blocks, num_layers, 2, block_size, num_kv_heads,  │
              │        head_dim) of the storage dtype (bfloat16 as uint16)   │
@@ -36,6 +37,10 @@ Creation reserves every page with `posix_fallocate` after checking `statvfs`: tm
 `ftruncate`s past its free space and then kills the first process that touches a missing page
 with SIGBUS; reserving up front turns that into a NoSpaceError at start. The magic is written
 last, so a daemon that dies half-way through `create` leaves a segment `attach` refuses.
+
+Generations start at a random base (below 2**63, so they never wrap) rather than at 0: a reader
+holding a block id and its generation from a replaced segment (a clean restart under the same
+name) would otherwise see the same counter again on a block that now holds something else.
 
 Views are `np.frombuffer` over the mmap, never copies. While any view lives the mmap cannot be
 closed (BufferError), which is what keeps a reader off unmapped memory; `close` turns that into an
@@ -52,6 +57,7 @@ import math
 import mmap
 import os
 import re
+import secrets
 import struct
 import uuid
 from types import TracebackType
@@ -213,7 +219,7 @@ class Segment:
             self._generations_offset, self._pool_offset, self._nbytes,
         )
         generations = self.generations
-        generations[:] = 0
+        generations[:] = secrets.randbits(31) << 32  # see "Generations start at a random base"
         del generations
         # The magic goes in last: a header without it is refused by `attach`.
         self._mmap[len(MAGIC):_HEADER.size] = header[len(MAGIC):]

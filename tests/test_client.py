@@ -217,6 +217,35 @@ def test_a_missing_or_stopped_daemon_is_a_disconnected_error(kvd_daemon):
         assert kvd_daemon.proc.wait(20) == 0
         with pytest.raises(kvd.DisconnectedError, match="no daemon came back"):
             client.stats()
+        assert client.is_closed  # given up: later calls say so without another wait
+
+
+def test_bad_client_arguments_are_typed_errors_and_never_truncated(kvd_daemon):
+    """Regression: `release([1.7])` released block 1 and `release(["0"])` block 0 (ids went
+    through int()); `release(5)`, `lookup(None)` and `alloc(np.int64(1))` raised bare TypeErrors."""
+    for bad in ({"timeout_s": -1}, {"timeout_s": 0}, {"timeout_s": "1"},
+                {"reconnect_timeout_s": None}, {"reconnect_timeout_s": True}):
+        with pytest.raises(kvd.BadArgsError, match=next(iter(bad))):
+            kvd_daemon.connect(**bad)
+    with pytest.raises(kvd.BadArgsError, match="name or a socket path"):
+        kvd.connect(5)
+    with kvd_daemon.connect() as client:
+        block_ids = client.alloc(np.int64(2))  # NumPy integers are ints
+        before = state(client)
+        for bad_ids in ([1.7], ["0"], 5, [None], [block_ids[0], 2.0]):
+            for call in (client.release, client.pin, lambda ids: client.seal(ids, [b"k" * 16])):
+                with pytest.raises(kvd.BadArgsError, match="block_ids"):
+                    call(bad_ids)
+        with pytest.raises(kvd.BadArgsError, match="hashes"):
+            client.lookup(None)
+        with pytest.raises(kvd.BadArgsError, match="cannot be sent"):
+            client.lookup([object()])
+        with pytest.raises(kvd.BadArgsError, match="num_blocks"):
+            client.alloc(1.0)
+        with pytest.raises(kvd.BadArgsError, match="max_cached_tokens"):
+            client.open_sequence([1, 2, 3], max_cached_tokens=1.5)
+        assert state(client) == before  # nothing reached the daemon's state
+        client.release(np.array(block_ids))
 
 
 def test_a_refusal_sent_before_the_hello_is_the_error_raised_not_a_disconnect(tmp_path,

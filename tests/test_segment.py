@@ -104,12 +104,26 @@ def test_two_creates_get_different_uuids(segment, name):
         other.unlink()
 
 
+def test_generations_start_at_a_fresh_base_per_create(name):
+    """A stale (block id, generation) from a replaced segment of the same name must not match
+    the new segment's counter, or a reader would take another's bytes for its own."""
+    bases = set()
+    for _ in range(3):
+        fresh = Segment.create(name, SMALL)
+        bases.add(int(fresh.generations[0]))
+        fresh.close()
+        fresh.unlink()
+    assert len(bases) == 3
+
+
 def test_layout_and_views(segment):
     generations_offset, pool_offset, total = layout(SMALL)
     assert generations_offset == HEADER_NBYTES and pool_offset % 4096 == 0
     assert total == pool_offset + SMALL.pool_nbytes == segment.nbytes
     generations, pool = segment.generations, segment.pool
-    assert generations.dtype == np.uint64 and generations.shape == (5,) and not generations.any()
+    assert generations.dtype == np.uint64 and generations.shape == (5,)
+    # One base for every block, below 2**63 so it never wraps, random per create.
+    assert len(set(generations.tolist())) == 1 and generations[0] < 1 << 63
     assert pool.shape == SMALL.pool_shape and pool.dtype == np.float16 and not pool.any()
     block = segment.block(2)
     block[...] = 1.5

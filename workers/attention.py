@@ -111,8 +111,7 @@ class KvdDecoder:
         self.model = model
         self.totals = WorkerStats(worker_id)
         self.last_request: RequestStats | None = None
-        self.pool = client.pool
-        PagedKV(self.pool, []).check_config(model.config)  # the daemon's geometry fits the model
+        PagedKV(client.pool, []).check_config(model.config)  # the daemon's geometry fits the model
         self.salt = model_salt(model.config)
 
     def generate(self, prompt: np.ndarray, num_new_tokens: int
@@ -125,7 +124,9 @@ class KvdDecoder:
         started = time.perf_counter()
         seq = self.client.open_sequence(prompt, salt=self.salt)
         try:
-            kv = PagedKV(self.pool, seq.block_ids, num_frozen_tokens=seq.num_cached_tokens)
+            # client.pool, not one kept from __init__: after a daemon's clean restart it is a
+            # view of the new segment (the kept one would write into the old, unlinked memory).
+            kv = PagedKV(self.client.pool, seq.block_ids, num_frozen_tokens=seq.num_cached_tokens)
             logits = self.model.prefill(prompt, seq.num_cached_tokens, kv)
             prefilled = time.perf_counter()
             append, flush = self._appender(seq)

@@ -30,6 +30,16 @@ def parse_nbytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0-65535)")
+    return port
+
+
 def _add_selection(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=os.environ.get("KVD_NAME", DEFAULT_NAME),
                         help="daemon name (default: $KVD_NAME or %(default)s)")
@@ -59,7 +69,7 @@ def _add_start(subparsers: Any) -> None:
                         help="no crash-recovery journal (seals are cheaper; nothing survives)")
     parser.add_argument("--recover", action="store_true",
                         help="re-attach the segment and journal a crashed daemon left")
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1")
+    parser.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics on 127.0.0.1")
     parser.add_argument("--detach", action="store_true", help="daemonise (log to the runtime dir)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -71,7 +81,7 @@ def _geometry(args: argparse.Namespace) -> Geometry:
              "num_kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype}
     if args.num_blocks is not None:
         return Geometry(num_blocks=args.num_blocks, **shape)
-    return Geometry.for_memory(args.memory or (512 << 20), **shape)
+    return Geometry.for_memory(512 << 20 if args.memory is None else args.memory, **shape)
 
 
 def cmd_start(args: argparse.Namespace) -> int:
@@ -149,14 +159,20 @@ def cmd_stop(args: argparse.Namespace) -> int:
     from kvd.client import connect
     from kvd.daemon import is_running
 
+    if not args.timeout > 0:
+        raise BadArgsError(f"--timeout must be > 0 seconds, got {args.timeout}")
     paths = DaemonPaths.for_name(args.name, args.socket)
+    deadline = time.monotonic() + args.timeout
     try:
-        with connect(_socket_of(args), reconnect_timeout_s=0) as client:
+        with connect(_socket_of(args), timeout_s=args.timeout, reconnect_timeout_s=0) as client:
             client.shutdown(keep=args.keep)
     except DisconnectedError:
-        print(f"kvd: no daemon named {args.name!r} is running", file=sys.stderr)
+        if not is_running(paths):
+            print(f"kvd: no daemon named {args.name!r} is running", file=sys.stderr)
+            return 1
+        print(f"kvd: daemon {args.name!r} holds its name but did not answer within "
+              f"{args.timeout} s (stopped or hung?)", file=sys.stderr)
         return 1
-    deadline = time.monotonic() + args.timeout
     while is_running(paths):
         if time.monotonic() > deadline:
             print(f"kvd: daemon {args.name!r} did not stop within {args.timeout} s",
@@ -167,21 +183,33 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _daemon_stats(args: argparse.Namespace) -> dict[str, Any] | None:
-    from kvd.client import connect
+# `kvd status` / `kvd stats` exit codes, as LSB init scripts report them.
+EXIT_NOT_RUNNING = 3
+EXIT_NOT_RESPONDING = 4  # "status unknown": the name is held, the daemon does not answer
 
+
+def _daemon_stats(args: argparse.Namespace) -> tuple[dict[str, Any] | None, int, str]:
+    """`(stats, 0, "")`, or `(None, exit code, why)` when the daemon cannot say."""
+    from kvd.client import connect
+    from kvd.daemon import is_running
+
+    if not args.timeout > 0:
+        raise BadArgsError(f"--timeout must be > 0 seconds, got {args.timeout}")
     try:
-        with connect(_socket_of(args), timeout_s=10, reconnect_timeout_s=0) as client:
-            return client.stats()
+        with connect(_socket_of(args), timeout_s=args.timeout, reconnect_timeout_s=0) as client:
+            return client.stats(), 0, ""
     except DisconnectedError:
-        return None
+        if is_running(DaemonPaths.for_name(args.name, args.socket)):
+            return (None, EXIT_NOT_RESPONDING,
+                    f"running but not responding (no reply within {args.timeout:g} s)")
+        return None, EXIT_NOT_RUNNING, "not running"
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    stats = _daemon_stats(args)
+    stats, code, why = _daemon_stats(args)
     if stats is None:
-        print(f"kvd {args.name}: not running")
-        return 3
+        print(f"kvd {args.name}: {why}")
+        return code
     g = stats["geometry"]
     print(f"kvd {args.name}: up {stats['uptime_s']:.0f} s, pid {stats['daemon_pid']}, "
           f"{stats['sessions']} sessions, {stats['sequences']} sequences, policy {stats['policy']}")
@@ -192,10 +220,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    stats = _daemon_stats(args)
+    stats, code, why = _daemon_stats(args)
     if stats is None:
-        print(f"kvd {args.name}: not running", file=sys.stderr)
-        return 3
+        print(f"kvd {args.name}: {why}", file=sys.stderr)
+        return code
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0
@@ -246,10 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
         sub = subparsers.add_parser(name, help=help_text)
         _add_selection(sub)
         sub.set_defaults(func=func)
+        sub.add_argument("--timeout", type=float, default=30.0 if name == "stop" else 10.0,
+                         help="seconds to wait for the daemon (default %(default)g)")
         if name == "stop":
             sub.add_argument("--keep", action="store_true",
                              help="keep the segment and journal for a restart (--recover)")
-            sub.add_argument("--timeout", type=float, default=30.0, help="seconds to wait")
         if name == "stats":
             sub.add_argument("--json", action="store_true")
     from kvd import demo, replay

@@ -40,12 +40,14 @@ trip and 13.0 µs server CPU per request, an asyncio Protocol 26.6 µs and 15.8 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
 import selectors
 import signal
 import socket
+import sqlite3
 import struct
 import time
 from time import perf_counter
@@ -54,7 +56,9 @@ from typing import Any
 
 import numpy as np
 
-from kvd.errors import DeniedError, InternalError, JournalError, KvdError, ProtocolError
+from kvd.errors import (
+    BadArgsError, DeniedError, InternalError, InUseError, JournalError, KvdError, ProtocolError,
+)
 from kvd.geometry import Geometry
 from kvd.hashing import HASH_VERSION
 from kvd.journal import JOURNAL_VERSION, Journal, failpoint
@@ -135,6 +139,9 @@ class Daemon:
             recover: re-attach the segment and journal a previous daemon left, if they match.
             journal: keep the crash-recovery journal (off: faster seals, nothing survives).
         """
+        if metrics_port is not None and not (type(metrics_port) is int
+                                             and 0 <= metrics_port <= 65535):
+            raise BadArgsError(f"metrics port must be an int in [0, 65535], got {metrics_port!r}")
         self.paths = paths
         self.geometry = geometry
         self.policy_name = policy
@@ -142,6 +149,7 @@ class Daemon:
         self.metrics_port = metrics_port
         self.state_dir = state_dir or str(state_dir_of(paths.name))
         self.is_recovering = recover
+        self._is_recovered = False  # a crashed daemon's segment and index are being served
         self.is_journaled = journal
         self.keep_on_stop = False
         self.journal: Journal | None = None
@@ -175,30 +183,47 @@ class Daemon:
             self._bind()
             self._write_pidfile()
             if self.metrics_port is not None:
-                serve_metrics(self.metrics_port, self.service.stats, self.ops)
+                self._serve_metrics()
         except BaseException:
+            # A start that fails after re-attaching a crashed daemon's segment and journal
+            # leaves them as it found them, for the next --recover: a bad flag must not cost
+            # the cache.
+            self.keep_on_stop = self._is_recovered
             self._cleanup()
             raise
+
+    def _serve_metrics(self) -> None:
+        try:
+            serve_metrics(self.metrics_port, self.service.stats, self.ops)
+        except OSError as exc:
+            error = InUseError if exc.errno == errno.EADDRINUSE else KvdError
+            raise error(f"cannot serve metrics on 127.0.0.1:{self.metrics_port}: "
+                        f"{exc.strerror or exc}") from None
 
     def _open_pool(self) -> None:
         """Recover the previous segment and index if asked and valid, else start clean."""
         if self.is_journaled:
             self.journal = Journal(self.state_dir)
         recovered = self._recover() if self.is_recovering else None
-        if recovered is None:
-            self._create_segment()
-        else:
-            self.segment, rows = recovered
-        num_blocks = self.geometry.num_blocks
-        pool = BlockPool(num_blocks, make_policy(self.policy_name, num_blocks, tiers=self.tiers),
-                         self.segment.generations, observer=self.journal)
+        pool = None
         if recovered is not None:
+            self.segment, rows = recovered
+            self._is_recovered = True  # from here a failed start keeps what it found
+            pool = self._new_pool()
             failpoint("during-recovery")
-            self.num_restored = pool.restore(rows)
-            _bump_free_generations(pool, self.segment.generations)
-            log.info("recovered segment %s: %d of %d journaled blocks restored from %s",
-                     self.segment.name, self.num_restored, len(rows.block_ids),
-                     self.journal.path)
+            try:
+                self.num_restored = pool.restore(rows)
+            except BadArgsError as exc:  # a journal the pool cannot take: never map it
+                log.warning("recovery: %s; starting clean", exc)
+                self._is_recovered, pool = False, None  # (the old mapping goes with the pool)
+            else:
+                _bump_free_generations(pool, self.segment.generations)
+                log.info("recovered segment %s: %d of %d journaled blocks restored from %s",
+                         self.segment.name, self.num_restored, len(rows.block_ids),
+                         self.journal.path)
+        if pool is None:
+            self._create_segment()
+            pool = self._new_pool()
         info = {"segment": self.segment.name, "segment_uuid": self.segment.uuid,
                 "daemon_pid": os.getpid(), "name": self.paths.name}
         self.service = Service(pool, self.geometry, _block_copier(self.segment.pool), info,
@@ -206,6 +231,11 @@ class Daemon:
         self._handle = self.service.handle
         if self.journal is not None:
             self.service.journal_state = "ok"
+
+    def _new_pool(self) -> BlockPool:
+        num_blocks = self.geometry.num_blocks
+        return BlockPool(num_blocks, make_policy(self.policy_name, num_blocks, tiers=self.tiers),
+                         self.segment.generations, observer=self.journal)
 
     def _create_segment(self) -> None:
         stale = SHM_DIR + self.paths.segment_name
@@ -237,11 +267,14 @@ class Daemon:
         elif stamp != expected:
             reason = (f"the journal in {self.journal.path} does not describe this segment "
                       f"(journal {stamp or 'empty'}, segment {expected})")
-        if reason is not None:
-            log.warning("recovery: %s; starting clean", reason)
-            segment.close()
-            return None
-        return segment, self.journal.load()
+        if reason is None:
+            try:
+                return segment, self.journal.load()
+            except (JournalError, sqlite3.Error, ValueError) as exc:  # unreadable: never map it
+                reason = f"the journal in {self.journal.path} cannot be read ({exc})"
+        log.warning("recovery: %s; starting clean", reason)
+        segment.close()
+        return None
 
     def _bind(self) -> None:
         path = self.paths.socket_path
@@ -293,7 +326,7 @@ class Daemon:
         if self.segment is not None and not self.keep_on_stop:
             self.segment.unlink()
         if self.journal is not None:
-            if self.keep_on_stop:
+            if self.keep_on_stop and self.service is not None:
                 self._commit_journal()  # pending tombstones: a smaller log to replay
                 self.journal.close()
             else:

@@ -124,3 +124,35 @@ def test_a_pool_larger_than_dev_shm_is_a_one_line_error_at_start():
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("kvd: /dev/shm has ") and "lower --num-blocks" in lines[0]
     assert leftovers(paths) == []
+
+
+def test_stop_and_status_of_a_hung_daemon_are_bounded_and_say_so(kvd_daemon):
+    """Regression: `kvd stop --timeout 1` waited forever on a stopped (SIGSTOP) daemon, and
+    `kvd status` called a daemon that holds its name but does not answer "not running"."""
+    kvd_daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        stop = kvd_cli("stop", "--name", kvd_daemon.name, "--timeout", "1", timeout_s=20)
+        assert stop.returncode == 1 and "did not answer within 1.0 s" in stop.stderr
+        status = kvd_cli("status", "--name", kvd_daemon.name, "--timeout", "0.5", timeout_s=20)
+        assert status.returncode == 4 and "not responding" in status.stdout
+    finally:
+        kvd_daemon.proc.send_signal(signal.SIGCONT)
+    assert kvd_cli("status", "--name", kvd_daemon.name).returncode == 0
+    bad = kvd_cli("stop", "--name", kvd_daemon.name, "--timeout", "0")
+    assert bad.returncode == 2 and "--timeout must be > 0" in bad.stderr
+    assert kvd_daemon.proc.poll() is None  # still serving after all of that
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--metrics-port", "99999"], "is not a TCP port"),
+    (["--metrics-port", "http"], "is not a TCP port"),
+    (["--memory", "0"], "0 bytes hold no block"),
+])
+def test_bad_start_flags_are_one_line_errors(flags, message):
+    """Regression: --metrics-port 99999 was a raw OverflowError traceback and --memory 0 silently
+    became the 512 MiB default."""
+    name = daemon_name()
+    started = kvd_cli("start", "--name", name, *flags, *TINY[2:])
+    assert started.returncode == 2 and message in started.stderr, started.stderr
+    assert "Traceback" not in started.stderr
+    assert leftovers(DaemonPaths.for_name(name)) == []

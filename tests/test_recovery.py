@@ -38,7 +38,8 @@ import kvd
 from conftest import ROOT, child_env, daemon_name, start_daemon_process, wait_ready
 from kvd.daemon import Daemon
 from kvd.geometry import Geometry
-from kvd.journal import JOURNAL_FILENAME
+from kvd.pool import ORPHAN
+from kvd.journal import JOURNAL_FILENAME, Journal
 from kvd.protocol import PROTOCOL_VERSION, FrameDecoder, encode_request, parse_reply, unpack_body
 from kvd.runtime import DaemonPaths, state_dir
 
@@ -808,4 +809,138 @@ def test_clients_survive_a_restart(restartable, restart):
     finally:
         for client in clients:
             client.close()
+    daemon.stop_cli()
+
+
+def mappings_of(segment_path: str) -> int:
+    """How many mappings of the segment this process holds (an unlinked one shows "(deleted)")."""
+    with open("/proc/self/maps") as maps:
+        fields = [line.split(maxsplit=5) for line in maps]
+    return sum(len(row) == 6 and row[5].split(" (deleted)")[0].rstrip() == segment_path
+               for row in fields)
+
+
+def test_a_clean_restart_is_reported_and_stale_views_never_alias_the_new_segment(restartable):
+    """Regression: after `kvd stop` + `kvd start` (a new segment) a retried call returned as if
+    nothing had changed, so a worker kept writing through its old `pool` into unlinked memory and
+    sealed the new segment's unwritten blocks; and the new segment's generations started at 0
+    again, so a stale (id, generation) matched."""
+    daemon = restartable()
+    daemon.start()
+    with daemon.connect() as client:
+        sealed = seal_new(client, 4)
+        keys = list(sealed)
+        old_pool = client.pool
+        block_id = sealed[keys[0]]
+        old_generation = client.generation(block_id)
+        daemon.stop_cli()
+        daemon.start()
+
+        with pytest.raises(kvd.DisconnectedError, match="new segment"):
+            client.lookup(keys)  # a retried op, yet it must not pass as if nothing happened
+        assert client.lookup(keys) == []  # reconnected: nothing cached survived a clean start
+        assert not np.shares_memory(client.pool, old_pool)
+        assert client.generation(block_id) != old_generation
+        assert mappings_of(daemon.segment_path) == 2  # the old one stays while old_pool lives
+        assert np.array_equal(old_pool[block_id].reshape(-1).view(np.uint8),
+                              pattern(keys[0], client.geometry.block_nbytes))
+        del old_pool
+        daemon.stop_cli()
+        daemon.start()
+        with pytest.raises(kvd.DisconnectedError, match="new segment"):
+            client.stats()
+        # No view held either replaced segment: both were unmapped, only the new one is left.
+        assert mappings_of(daemon.segment_path) == 1
+    assert mappings_of(daemon.segment_path) == 0
+    daemon.stop_cli()
+
+
+def test_a_reply_timeout_closes_the_client_instead_of_passing_for_a_restart(restartable):
+    """Regression: a stalled daemon (SIGSTOP) past timeout_s was taken for a restart: the client
+    opened a new session, dropped its own pins and retried, and a timed-out seal was reported as
+    'restarted' although it had been applied."""
+    daemon = restartable()
+    daemon.start()
+    with daemon.connect() as monitor:
+        client = daemon.connect(timeout_s=0.3)
+        assert len(client.lookup(list(seal_new(client, 2)))) == 2  # pins of this session
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(kvd.DisconnectedError, match="no reply to 'stats' within"):
+                client.stats()
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        assert client.is_closed and client.num_reconnects == 0
+        with pytest.raises(kvd.DisconnectedError, match="closed"):
+            client.stats()
+        deadline = time.monotonic() + 10
+        while monitor.stats()["sessions"] > 1:  # the daemon ends the closed session
+            assert time.monotonic() < deadline, monitor.stats()
+            time.sleep(0.01)
+        check_invariants(monitor)
+        client.close()
+    daemon.stop_cli()
+
+
+def test_without_reconnecting_a_lost_daemon_closes_the_client(restartable):
+    """Regression: with reconnect_timeout_s=0 the socket stayed open after a failure, so every
+    later call read the previous call's reply and failed while the daemon applied it."""
+    daemon = restartable()
+    daemon.start()
+    client = daemon.connect(reconnect_timeout_s=0)
+    daemon.kill()
+    with pytest.raises(kvd.DisconnectedError):
+        client.alloc(1)
+    assert client.is_closed
+    daemon.recover()
+    with pytest.raises(kvd.DisconnectedError, match="closed"):
+        client.alloc(1)  # at once, not another wait on a dead socket
+    client.close()
+    daemon.stop_cli()
+
+
+def test_a_start_that_fails_after_recovering_keeps_the_cache_for_the_next(restartable):
+    """Regression: a --recover whose start then failed (here its metrics port was taken) cleaned
+    up like a plain stop: the re-attached segment and journal, every acknowledged seal, gone."""
+    daemon = restartable()
+    daemon.start()
+    with daemon.connect() as client:
+        sealed = seal_new(client, 20)
+    daemon.kill()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        offset = daemon.start("--recover", "--metrics-port", str(taken.getsockname()[1]),
+                              wait=False)
+        assert daemon.proc.wait(30) == 2
+    assert "kvd: cannot serve metrics" in daemon.log(offset)
+    assert "Traceback" not in daemon.log(offset)
+    assert os.path.exists(daemon.segment_path) and daemon.journal_path.exists()
+    offset = daemon.recover()
+    assert "20 of 20 journaled blocks restored" in daemon.log(offset)
+    with daemon.connect() as client:
+        check_fresh_recovery(client)
+        check_present(client, sealed)
+    daemon.stop_cli()
+
+
+def test_a_journal_the_pool_cannot_take_starts_clean_and_says_so(restartable):
+    """Regression: a journal naming a block outside the pool failed the start and removed
+    everything; the contract is to start clean with one log line, never mapping that state."""
+    daemon = restartable()
+    daemon.start()
+    with daemon.connect() as client:
+        sealed = seal_new(client, 5)
+    daemon.kill()
+    journal = Journal(daemon.state_dir)
+    journal.sealed([(GEOMETRY["num_blocks"] + 7, os.urandom(16), 0, ORPHAN, 0, 0)])
+    journal.commit()
+    journal.close()
+    offset = daemon.recover()
+    (line,) = starting_clean_lines(daemon.log(offset))
+    assert "corrupt" in line
+    with daemon.connect() as client:
+        check_absent(client, list(sealed))
+        check_invariants(client)
+        assert client.stats()["cached"] == 0
     daemon.stop_cli()

@@ -208,8 +208,8 @@ static PyObject *pool_pin_run(PyObject *module, PyObject *const *args, Py_ssize_
     PyObject *block_ids = args[0], *held = args[2], *state = args[3], *refs = args[4],
              *hashes = args[5], *hits = args[8];
     PyObject *lists[] = {refs, hashes};
-    if (!PyList_CheckExact(block_ids))
-        return Py_BuildValue("(nn)", (Py_ssize_t)0, (Py_ssize_t)0);
+    if (!PyList_CheckExact(block_ids))  /* not ours to take: the Python loop goes on from start */
+        return Py_BuildValue("(On)", args[1], (Py_ssize_t)0);
     Py_ssize_t count = PyList_GET_SIZE(block_ids), position = start_of(args[1], count);
     if (position < 0)
         return NULL;
@@ -262,8 +262,8 @@ static PyObject *pool_unpin_run(PyObject *module, PyObject *const *args, Py_ssiz
              *hashes = args[5], *tiers = args[6], *is_orphan = args[7], *is_duplicate = args[8],
              *cached_keys = args[9], *cached_tiers = args[10];
     PyObject *lists[] = {refs, hashes}, *bytearrays[] = {tiers, is_orphan, is_duplicate};
-    if (!PyList_CheckExact(block_ids))
-        return Py_BuildValue("(nn)", (Py_ssize_t)0, (Py_ssize_t)0);
+    if (!PyList_CheckExact(block_ids))  /* not ours to take: the Python loop goes on from start */
+        return Py_BuildValue("(On)", args[1], (Py_ssize_t)0);
     Py_ssize_t count = PyList_GET_SIZE(block_ids), position = start_of(args[1], count);
     if (position < 0)
         return NULL;
@@ -391,8 +391,8 @@ static PyObject *pool_seal_run(PyObject *module, PyObject *const *args, Py_ssize
              *state = args[5], *hashes = args[6], *tier_of = args[7], *is_duplicate = args[8],
              *is_orphan = args[9], *index = args[10], *indexed = args[12];
     PyObject *bytearrays[] = {tier_of, is_duplicate, is_orphan};
-    if (!PyList_CheckExact(block_ids))
-        return PyLong_FromSsize_t(0);
+    if (!PyList_CheckExact(block_ids))  /* not ours to take: the Python loop goes on from start */
+        return Py_NewRef(args[2]);
     Py_ssize_t count = PyList_GET_SIZE(block_ids), position = start_of(args[2], count);
     if (position < 0)
         return NULL;

@@ -800,6 +800,9 @@ class BlockPool:
         rows_range = np.arange(num_rows)
         generations = np.asarray(rows.generations, dtype=np.uint64)
         parents = np.asarray(rows.parents, dtype=np.int64)
+        if num_rows and parents.max() >= self.num_blocks:
+            raise BadArgsError(f"the journal names a parent outside [0, {self.num_blocks}): "
+                               "it is corrupt")
         has_parent = parents >= 0
         parent_row = np.where(has_parent, row_of[np.where(has_parent, parents, 0)], rows_range)
         parent_row = np.where(parent_row < 0, rows_range, parent_row)  # a missing parent
@@ -807,6 +810,9 @@ class BlockPool:
             (row_of[np.where(has_parent, parents, 0)] >= 0) & (parent_row < rows_range)
             & (generations[parent_row] == np.asarray(rows.parent_generations, dtype=np.uint64)))
         keep = (self.generations[ids] == generations) & (parents != ORPHAN) & is_linked
+        # An unlinked row is dropped and ends its chain, so every chain left runs to older rows
+        # only and ends (a corrupt journal's cycle of parents would otherwise never converge).
+        parent_row = np.where(is_linked, parent_row, rows_range)
         # A row is kept only if all its ancestors are: pointer jumping needs log2(depth) passes.
         while True:
             keep = keep & keep[parent_row]

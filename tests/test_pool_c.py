@@ -361,3 +361,30 @@ def test_tables_of_the_wrong_shape_stop_every_run_at_its_start() -> None:
     assert loops.unpin_run(ids, 0, held, pool._state, pool._refs, pool._hashes, short,
                            pool._is_orphan, pool._is_duplicate, [], []) == (0, 0)
     assert pool.state(ids[0]) == "owned" and not pool._index
+
+
+@needs_c
+@pytest.mark.parametrize("policy", ["s3fifo", "kvd"])
+def test_tuples_of_ids_and_keys_do_what_lists_do(policy: str) -> None:
+    """Regression: a C run handed a tuple (not its to take) returned position 0, not its start,
+    so the Python loop went on from 0 again and again: seal and pin never returned (refs
+    climbing), release popped twice; S3-FIFO's inserted_many hung, hit_evictable_many raised."""
+    fast, pure = BlockPool(8, policy), BlockPool(8, policy)
+    pure._loops = None
+    for pool in (fast, pure):
+        ids = tuple(pool.allocate(3, owner=1))
+        assert pool.seal(ids, (b"a", b"b", b"c"), owner=1) == [True] * 3
+        pool.pin(ids, owner=1)
+        pool.release(ids, owner=1)
+        pool.release(ids, owner=1)  # all three cached now
+        assert pool.lookup((b"a", b"b", b"c"), owner=1) == list(ids)
+        pool.release(ids, owner=1)
+        pool.check_invariants()
+    assert snapshot(fast) == snapshot(pure)
+    policies = [make_policy(policy, 8), make_policy(policy, 8)]
+    policies[1]._loops = None
+    for each in policies:
+        each.inserted_many((b"x", b"y", b"z"), (0, 0, 0))
+        each.hit_evictable_many((b"x", b"y"))
+        each.inserted_many((b"x", b"y"), (0, 0))
+    assert [[each.victim() for _ in range(4)] for each in policies] == [[b"z", b"x", b"y", None]] * 2

@@ -94,10 +94,22 @@ def test_rows_that_no_longer_describe_the_segment_are_dropped_with_their_descend
     rows_of((0, b"a", 0, NO_PARENT, 0, 0), (0, b"b", 0, NO_PARENT, 0, 0)),
     rows_of((0, b"a", 0, NO_PARENT, 0, 0), (1, b"a", 0, NO_PARENT, 0, 0)),
     rows_of((8, b"a", 0, NO_PARENT, 0, 0)),
-], ids=["block twice", "key twice", "out of range"])
+    rows_of((0, b"a", 0, 8, 0, 0)),
+], ids=["block twice", "key twice", "out of range", "parent out of range"])
 def test_a_corrupt_journal_is_refused(rows):
     with pytest.raises(BadArgsError, match="corrupt"):
         BlockPool(8, "lru").restore(rows)
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 5])
+def test_a_cycle_of_parents_is_dropped_not_chased_forever(length):
+    """Regression: a corrupt journal whose parent links form an odd cycle of 3 or more hung the
+    pointer jumping (and so `kvd start --recover`); every row of a cycle is unreachable."""
+    cycle = [(i, bytes([i]), 0, (i + 1) % length, 0, 0) for i in range(length)]
+    pool = BlockPool(8, "lru")
+    pool.restore(rows_of((7, b"root", 0, NO_PARENT, 0, 0), *cycle))
+    assert [pool.state(i) for i in range(8)] == ["free"] * 7 + ["cached"]
+    pool.check_invariants()
 
 
 def test_tiers_come_back_for_a_tiered_policy():

@@ -36,8 +36,8 @@ static PyObject *s3fifo_insert_run(PyObject *module, PyObject *const *args, Py_s
         return NULL;
     PyObject *keys = args[0], *pinned = args[2], *small = args[3], *main = args[4],
              *ghosts = args[5];
-    if (!PyList_CheckExact(keys))
-        return PyLong_FromSsize_t(0);
+    if (!PyList_CheckExact(keys))  /* not ours to take: the Python loop goes on from start */
+        return Py_NewRef(args[1]);
     Py_ssize_t count = PyList_GET_SIZE(keys), position = start_of(args[1], count);
     if (position < 0)
         return NULL;
@@ -62,8 +62,8 @@ static PyObject *s3fifo_hit_run(PyObject *module, PyObject *const *args, Py_ssiz
     if (check_nargs("hit_run", nargs, 8) < 0)
         return NULL;
     PyObject *keys = args[0], *small = args[2], *main = args[3], *pinned = args[4];
-    if (!PyList_CheckExact(keys))
-        return PyLong_FromSsize_t(0);
+    if (!PyList_CheckExact(keys))  /* not ours to take: the Python loop goes on from start */
+        return Py_NewRef(args[1]);
     Py_ssize_t count = PyList_GET_SIZE(keys), position = start_of(args[1], count);
     if (position < 0)
         return NULL;

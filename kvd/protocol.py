@@ -54,6 +54,7 @@ ops' arguments), after one C call that answers for the common request. msgpack h
 from __future__ import annotations
 
 import os
+import reprlib
 import struct
 import threading
 from collections.abc import Callable, Collection
@@ -328,10 +329,11 @@ def parse_request(obj: Any) -> tuple[int, str, dict[str, Any]]:
     # Inline checks and a plain loop, not helpers and all(genexpr): this runs once per request
     # and the helpers cost a third of a microsecond (bench/control_plane.py).
     if type(request_id) is not int or not 0 <= request_id <= MAX_REQUEST_ID:
-        raise _protocol_error(f"request_id must be an int in [0, 2**64), got {request_id!r:.80}")
+        raise _protocol_error("request_id must be an int in [0, 2**64), got "
+                              f"{_short_repr(request_id)}")
     if type(op) is not str or not 0 < len(op) <= MAX_OP_NBYTES:
         raise _protocol_error(f"op must be a non-empty string of at most {MAX_OP_NBYTES} "
-                              f"characters, got {op!r:.80}", request_id)
+                              f"characters, got {_short_repr(op)}", request_id)
     if type(args) is not dict:
         raise _protocol_error("args must be a map with string keys", request_id)
     for key in args:
@@ -353,7 +355,7 @@ def parse_reply(obj: Any) -> tuple[int, Any]:
     if not (type(request_id) is int and 0 <= request_id <= MAX_REQUEST_ID
             or (request_id is None and not is_ok)):
         raise _protocol_error(f"reply request_id must be an int in [0, 2**64), "
-                              f"got {request_id!r:.80}")
+                              f"got {_short_repr(request_id)}")
     if is_ok:
         return request_id, payload
     if (type(payload) is not list or len(payload) != 2
@@ -384,7 +386,7 @@ def arg_int(args: dict[str, Any], name: str, min_value: int = 0, max_value: int 
     value = args[name]
     if type(value) is not int or value < min_value or (max_value is not None and value > max_value):
         raise BadArgsError(f"{name} must be an int {_range_text(min_value, max_value)}, "
-                           f"got {value!r:.80}")
+                           f"got {_short_repr(value)}")
     return value
 
 
@@ -536,4 +538,15 @@ call_hot = _call_hot if _wire is None else _wire.call_hot
 def _describe(value: Any) -> str:
     if type(value) in (list, bytes, str):
         return f"{type(value).__name__} of length {len(value)}"
-    return f"{value!r:.80}"
+    return _short_repr(value)
+
+
+# Error messages quote what a client sent, which msgpack lets nest 1024 deep: repr() of that
+# raises RecursionError (an INTERNAL error, a kvd bug, instead of the client's); and a plain
+# repr builds all of a huge value before it is cut.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 40
+
+
+def _short_repr(value: Any) -> str:
+    return _REPR.repr(value)[:80]

@@ -44,7 +44,9 @@ from kvd.protocol import (
     codec, int_field, int_list_field,
 )
 
-MAX_BATCH = 1 << 16  # ids or hashes per request
+MAX_BATCH = 1 << 16  # ids or hashes per request, blocks per alloc and per sequence
+# (so that every reply fits a frame: 65,536 ids pack into ~330 KB, and an op refused for its
+# reply's size would already have changed the pool)
 MAX_KEY_NBYTES = 64  # a content hash; kvd.hash_blocks makes 16
 MAX_SALT_NBYTES = 256
 # KVD_DEBUG=1 in the daemon's environment adds the `check_invariants` op (tests and soaks use it;
@@ -96,7 +98,8 @@ class Service:
         # kvd.hash_blocks makes 16-byte hashes; MAX_KEY_NBYTES leaves room for other digests.
         hashes = bytes_list_field("hashes", MAX_BATCH, MAX_KEY_NBYTES)
         self._hot: dict[str, tuple[tuple[ArgField, ...], bool, Callable[..., Any]]] = {
-            "alloc": ((int_field("num_blocks", 0, pool.num_blocks),), True, pool_ops["alloc"]),
+            "alloc": ((int_field("num_blocks", 0, min(pool.num_blocks, MAX_BATCH)),), True,
+                      pool_ops["alloc"]),
             # parents, optional, one per block: the hash of the block before it in its chain
             # (nil for a chain's head), which links it into the pool's prefix tree so that
             # eviction never strands a chain's middle; tiers (0 prefill, 1 decode) for --tiers.
@@ -255,6 +258,7 @@ class Service:
         tokens = self._tokens(args)
         salt = arg_bytes(args, "salt", MAX_SALT_NBYTES, b"")
         max_cached = arg_int(args, "max_cached_tokens", 0, default=None)
+        self._check_length(len(tokens) // 4)
         record, num_cached = self.page_table.open(tokens, salt, max_cached)
         session.seq_ids.add(record.seq_id)
         return self._describe(record, num_cached_tokens=num_cached)
@@ -265,7 +269,15 @@ class Service:
         record = self._sequence(session, args)
         tokens = self._tokens(args)
         num_computed = arg_int(args, "num_computed", 0, record.num_tokens, record.num_tokens)
+        self._check_length(record.num_tokens + len(tokens) // 4)
         return self.page_table.extend(record, tokens, num_computed)
+
+    def _check_length(self, num_tokens: int) -> None:
+        block_size = self.geometry.block_size
+        if -(-num_tokens // block_size) > MAX_BATCH:
+            raise BadArgsError(f"a sequence holds at most {MAX_BATCH} blocks "
+                               f"({MAX_BATCH * block_size} tokens of block size {block_size}), "
+                               f"this one would have {num_tokens} tokens")
 
     def _seq_commit(self, session: Session, args: dict[str, Any]) -> int:
         self._check_writable()

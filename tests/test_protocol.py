@@ -327,3 +327,21 @@ def test_frame_encoder_matches_the_module_functions_and_keeps_the_cap():
     with pytest.raises(TooLargeError):
         encoder.result(7, b"\0" * MAX_FRAME_NBYTES)
     assert encoder.result(8, None) == encode_result(8, None)  # still usable after the failure
+
+
+def test_a_deeply_nested_value_is_the_clients_error_not_an_internal_one():
+    """Regression: msgpack nests 1024 deep, and repr() of such a value in an error message raised
+    RecursionError: the daemon answered INTERNAL (the code for kvd's own bugs) with a traceback."""
+    deep: list = []
+    for _ in range(1000):
+        deep = [deep]
+    with pytest.raises(ProtocolError, match=r"request_id must be an int .*got \[\[\["):
+        protocol.decode_request(msgpack.packb([deep, "alloc", {}]))
+    with pytest.raises(ProtocolError, match="op must be"):
+        protocol.decode_request(msgpack.packb([1, deep, {}]))
+    for check in (lambda: protocol.arg_int({"n": deep}, "n"),
+                  lambda: protocol.arg_int({"n": {"a": deep}}, "n"),
+                  lambda: protocol.arg_bool({"b": deep}, "b")):
+        with pytest.raises(BadArgsError) as refused:
+            check()
+        assert len(str(refused.value)) < 200

@@ -18,7 +18,7 @@ from kvd.hashing import hash_blocks, token_bytes
 from kvd.pool import BlockPool
 from kvd import protocol
 from kvd.protocol import PROTOCOL_VERSION
-from kvd.service import Service
+from kvd.service import MAX_BATCH, Service
 
 GEOMETRY = Geometry(num_blocks=16, num_layers=1, block_size=4, num_kv_heads=1, head_dim=2,
                     dtype="float32")
@@ -233,3 +233,29 @@ def test_seal_with_parents_links_the_chain_so_eviction_never_strands_a_middle(h)
     h.service.handle(a, "alloc", {"num_blocks": 14})  # ...13 free blocks: one eviction
     assert [h.pool.find(key) for key in HASHES[:3]] == [None] * 3  # ...taking its chain along
     assert h.service.stats()["evictions"] == 3
+
+
+def test_no_reply_can_outgrow_a_frame_after_the_pool_changed():
+    """Regression: alloc took up to the whole pool and a sequence any length, so on a pool of
+    600k blocks alloc(500_000) (or seq_open with block size 1) allocated, then its reply of ids
+    was over the frame cap: TOO_LARGE, with the blocks owned by a session that never learned
+    their ids. Both are refused up front now, and every reply fits a frame."""
+    num_blocks = 3 * MAX_BATCH
+    geometry = Geometry(num_blocks=num_blocks, num_layers=1, block_size=1, num_kv_heads=1,
+                        head_dim=1, dtype="float32")
+    service = Service(BlockPool(num_blocks, "lru"), geometry, lambda src, dst: None, {})
+    session = service.open_session(1, 0)
+    service.handle(session, "hello", {"version": PROTOCOL_VERSION})
+    with pytest.raises(BadArgsError, match="num_blocks"):
+        service.handle(session, "alloc", {"num_blocks": MAX_BATCH + 1})
+    with pytest.raises(BadArgsError, match=f"at most {MAX_BATCH} blocks"):
+        service.handle(session, "seq_open", {"tokens": token_bytes(range(MAX_BATCH + 1))})
+    seq = service.handle(session, "seq_open", {"tokens": token_bytes(range(MAX_BATCH - 1))})
+    with pytest.raises(BadArgsError, match=f"at most {MAX_BATCH} blocks"):
+        service.handle(session, "seq_extend", {"seq_id": seq["seq_id"],
+                                               "tokens": token_bytes([1, 2])})
+    assert service.stats()["owned"] == MAX_BATCH - 1  # the refusals changed nothing
+    biggest = [service.handle(session, "alloc", {"num_blocks": MAX_BATCH}), seq,
+               service.handle(session, "seq_fork", {"seq_id": seq["seq_id"]})]
+    for reply in biggest:
+        protocol.FrameEncoder().frame([1, True, reply])  # raises TooLargeError above the cap

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -94,6 +95,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         parse_tiers(args.tiers)  # a typed error before anything starts
     paths = DaemonPaths.for_name(args.name, args.socket)
     geometry = _geometry(args)
+    _raise_fd_limit()
     daemon = Daemon(paths, geometry, args.policy, metrics_port=args.metrics_port,
                     state_dir=args.state_dir, recover=args.recover,
                     journal=not args.no_journal, tiers=args.tiers)
@@ -104,6 +106,14 @@ def cmd_start(args: argparse.Namespace) -> int:
     print(_ready_line(daemon), flush=True)
     daemon.serve_forever()
     return 0
+
+
+def _raise_fd_limit() -> None:
+    """Every session takes two fds (its socket and a pidfd): the usual soft limit of 1024 would
+    stop the daemon near 500 workers, so take what the hard limit allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _ready_line(daemon: Any) -> str:

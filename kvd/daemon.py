@@ -48,6 +48,7 @@ import selectors
 import signal
 import socket
 import sqlite3
+import stat
 import struct
 import time
 from time import perf_counter
@@ -75,6 +76,7 @@ log = logging.getLogger("kvd")
 
 RECV_NBYTES = 256 * 1024
 MAX_OUTPUT_NBYTES = 16 * 1024 * 1024
+ACCEPT_RETRY_S = 1.0  # out of fds: how long the listener rests before the loop tries again
 _PEERCRED = struct.Struct("3i")
 
 
@@ -110,6 +112,16 @@ def _pid_text(paths: DaemonPaths) -> str:
             return f"(pid {int(file.read().strip())})"
     except (OSError, ValueError):
         return ""
+
+
+def _is_answered(socket_path: str) -> bool:
+    """Whether something accepts connections on the Unix socket at `socket_path`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(socket_path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+    return True
 
 
 def is_running(paths: DaemonPaths) -> bool:
@@ -170,6 +182,7 @@ class Daemon:
         self._signal_r.setblocking(False)
         self._signal_w.setblocking(False)
         self._is_stopping = False
+        self._accept_retry_at: float | None = None  # not accepting (out of fds) until then
         self._next_journal_retry = 0.0
         self.segment: Segment | None = None
         self.service: Service | None = None
@@ -278,10 +291,20 @@ class Daemon:
 
     def _bind(self) -> None:
         path = self.paths.socket_path
+        # The name's lock does not cover a --socket path another name may serve, or a file a
+        # typo names: replace only a socket nobody answers on (a dead daemon's).
         try:
-            os.unlink(path)  # safe: we hold the lock, so this is a dead daemon's socket
+            mode = os.lstat(path).st_mode
         except FileNotFoundError:
             pass
+        else:
+            if not stat.S_ISSOCK(mode):
+                raise InUseError(f"{path} exists and is not a socket: refusing to replace it "
+                                 "(choose another --socket)")
+            if _is_answered(path):
+                raise InUseError(f"another daemon serves {path} (started under another "
+                                 "--name): stop it or choose another --socket")
+            os.unlink(path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)
         try:
@@ -381,6 +404,8 @@ class Daemon:
         # The replies are out: while the clients think, ask the policy for the next victim of
         # a full pool, a third of the next allocation's eviction (kvd/pool.py).
         self.service.pool.choose_next_victim()
+        if self._accept_retry_at is not None and time.monotonic() >= self._accept_retry_at:
+            self._resume_accepting()
 
     def _on_listener(self, _: None, mask: int) -> None:
         self._accept()
@@ -397,10 +422,19 @@ class Daemon:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # e.g. EMFILE: log and keep serving
-                log.error("accept failed: %s", exc)
+            except OSError as exc:  # e.g. EMFILE: the listener stays readable
+                # Stop listening for a while rather than spin on it (and flood the log): a
+                # session's close frees fds, and the loop retries within a second anyway.
+                log.error("accept failed: %s; not accepting until a session closes (or %g s)",
+                          exc, ACCEPT_RETRY_S)
+                self._selector.unregister(self._listener)
+                self._accept_retry_at = time.monotonic() + ACCEPT_RETRY_S
                 return
             self._admit(sock)
+
+    def _resume_accepting(self) -> None:
+        self._accept_retry_at = None
+        self._selector.register(self._listener, selectors.EVENT_READ, (self._on_listener, None))
 
     def _admit(self, sock: socket.socket) -> None:
         pid, uid, _ = _PEERCRED.unpack(
@@ -620,6 +654,8 @@ class Daemon:
         self.service.close_session(session)
         log.info("session %d (pid %d) closed: %s; released %d blocks",
                  session.session_id, session.pid, reason, held)
+        if self._accept_retry_at is not None and not self._is_stopping:
+            self._resume_accepting()  # its fds are free again
 
 
 def _stamp(segment: Segment) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from kvd.errors import BadArgsError, DeniedError
 DEFAULT_NAME = "default"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory: the segment's tmpfs
+JOURNAL_SUFFIX = ".journal"  # the default journal directory: the segment's name + this
 MAX_SOCKET_PATH_NBYTES = 107  # sun_path is 108 bytes including the terminating NUL
 
 
@@ -41,6 +42,9 @@ def check_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise BadArgsError(f"daemon name {name!r} must be 1-64 characters of letters, digits, "
                            "'_', '.', '-', starting with a letter or digit")
+    if name.endswith(JOURNAL_SUFFIX):  # its segment would be daemon X's journal directory
+        raise BadArgsError(f"daemon name {name!r} must not end in {JOURNAL_SUFFIX!r}: "
+                           f"/dev/shm/kvd-UID-X{JOURNAL_SUFFIX} is daemon X's journal")
     return name
 
 
@@ -53,7 +57,7 @@ def runtime_dir() -> Path:
 
 def state_dir(name: str) -> Path:
     """The default journal directory of daemon `name` (module docstring: why in memory)."""
-    return Path(f"{SHM_DIR}/kvd-{os.getuid()}-{check_name(name)}.journal")
+    return Path(f"{SHM_DIR}/kvd-{os.getuid()}-{check_name(name)}{JOURNAL_SUFFIX}")
 
 
 def private_dir(path: Path, remedy: str = "choose another directory") -> Path:

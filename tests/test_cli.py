@@ -49,6 +49,25 @@ def test_a_second_start_with_the_same_name_is_refused_while_the_first_serves(kvd
         assert client.stats()["daemon_pid"] == kvd_daemon.proc.pid
 
 
+def test_a_socket_path_another_daemon_serves_or_a_plain_file_is_never_replaced(kvd_daemon,
+                                                                              tmp_path):
+    """Regression: the name's lock does not cover --socket, so a second daemon under another
+    name unlinked the first one's live socket (leaving it unreachable), and a mistyped --socket
+    naming a file deleted the file."""
+    thief = kvd_cli("start", "--name", daemon_name(), "--socket", kvd_daemon.paths.socket_path,
+                    *TINY)
+    assert thief.returncode == 2 and "another daemon serves" in thief.stderr, thief.stderr
+    with kvd_daemon.connect() as client:
+        assert client.stats()["daemon_pid"] == kvd_daemon.proc.pid
+    precious = tmp_path / "notes.txt"
+    precious.write_text("keep me")
+    typo = kvd_cli("start", "--name", daemon_name(), "--socket", str(precious), *TINY)
+    assert typo.returncode == 2 and "is not a socket" in typo.stderr, typo.stderr
+    assert precious.read_text() == "keep me"
+    bad_name = kvd_cli("start", "--name", f"{kvd_daemon.name}.journal", *TINY)
+    assert bad_name.returncode == 2 and "must not end in '.journal'" in bad_name.stderr
+
+
 def test_kvd_stop_removes_socket_segment_and_pidfile(kvd_daemon):
     with kvd_daemon.connect() as client:  # a connected client does not keep it alive
         client.alloc(2)

@@ -26,7 +26,8 @@ import pytest
 import kvd
 from kvd.policies import DEFAULT_POLICY, POLICIES
 from kvd.protocol import PROTOCOL_VERSION, FrameDecoder, encode_request, parse_reply, unpack_body
-from conftest import DaemonHandle, child_env, running_daemons
+from conftest import ROOT, DaemonHandle, child_env, daemon_name, running_daemons
+from kvd.runtime import DaemonPaths
 
 SMALL = {"num_blocks": 64, "layers": 2, "kv_heads": 2, "head_dim": 8, "block_size": 4,
          "dtype": "float32"}
@@ -473,3 +474,53 @@ def test_views_have_the_pool_dtype_and_shape_for_every_dtype(tmp_path):
                 assert got.tobytes() == writer.view(block_ids[0]).tobytes()
                 del view, got
                 writer.release(block_ids)
+
+
+# ---- running out of file descriptors ----------------------------------------------------------
+
+FD_LIMIT = 64
+LIMITED_START = ("import resource, runpy, sys; "
+                 f"resource.setrlimit(resource.RLIMIT_NOFILE, ({FD_LIMIT}, {FD_LIMIT})); "
+                 "sys.argv[0] = 'kvd'; runpy.run_module('kvd.cli', run_name='__main__')")
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_out_of_fds_the_daemon_rests_its_listener_instead_of_spinning(tmp_path):
+    """Regression: once accept() failed with EMFILE the listener stayed readable, so the loop
+    spun a whole core and logged 'accept failed' millions of times (7 MB in 2 s)."""
+    name = daemon_name()
+    log_path = tmp_path / f"{name}.log"
+    command = [sys.executable, "-c", LIMITED_START, "start", "--name", name,
+               *(f"--{key.replace('_', '-')}={value}" for key, value in SMALL.items())]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(command, env=child_env(), cwd=ROOT, stdout=log, stderr=log)
+    daemon = DaemonHandle(name, proc, DaemonPaths.for_name(name), log_path)
+    clients = []
+    try:
+        daemon.wait_ready()
+        with daemon.connect() as served:
+            for _ in range(FD_LIMIT + 16):  # more than its fds: the last ones wait in the backlog
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect(daemon.paths.socket_path)
+                clients.append(sock)
+            time.sleep(0.3)  # let it hit the limit
+            before = cpu_s(proc.pid), log_path.stat().st_size
+            time.sleep(2.0)
+            spent_s, logged = cpu_s(proc.pid) - before[0], log_path.stat().st_size - before[1]
+            assert spent_s < 0.5, f"the daemon spun: {spent_s:.2f} s of CPU in 2 s"
+            assert logged < 10_000, f"{logged} bytes of log in 2 s"
+            assert served.stats()["sessions"] >= 1  # sessions it has keep being served
+            for sock in clients:
+                sock.close()
+            clients.clear()
+        with daemon.connect() as late:  # fds are free again: it accepts
+            assert late.stats()["sessions"] == 1
+    finally:
+        for sock in clients:
+            sock.close()
+        daemon.stop_and_check()

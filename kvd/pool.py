@@ -722,6 +722,7 @@ class BlockPool:
                 # this loop cached already: the policy must know them before it discards any.
                 self.policy.inserted_many(cached_keys, cached_tiers)
                 cached_keys, cached_tiers = [], []
+                self.policy.forgotten(key)  # (what it kept of the key while it was pinned)
                 self._evict_subtree(block_id)
             else:
                 state[block_id] = CACHED

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvd.errors import BadArgsError, InternalError, InUseError, KvdError, NotFoundError
-from kvd.policies import DEFAULT_POLICY, POLICIES, LRUPolicy
+from kvd.policies import DEFAULT_POLICY, POLICIES, LRUPolicy, make_policy
 from kvd.pool import BlockPool
 
 A, B = 1, 2  # owners (sessions)
@@ -616,3 +616,34 @@ def test_the_chosen_victim_takes_its_cached_children_along():
     new_ids = pool.allocate(2, A)  # the chosen head goes, and its child with it
     assert sorted(new_ids) == sorted(ids) and pool.find(b"x") is not None
     assert pool.counters["evictions"] == 2
+
+
+def _remembers(policy, key) -> list[str]:
+    """Where a policy (or a tier's policy) still holds `key`: in any dict or set attribute."""
+    found = [name for name, value in vars(policy).items()
+             if isinstance(value, (dict, set)) and key in value]
+    for tier, inner in enumerate(getattr(policy, "policies", ())):
+        found += [f"tier {tier}: {name}" for name in _remembers(inner, key)]
+    return found
+
+
+@pytest.mark.parametrize("policy", [*sorted(POLICIES), "tiered"])
+def test_a_pinned_block_freed_as_an_orphan_is_forgotten_by_the_policy(policy):
+    """Regression: a block pinned by a lookup hit, cut off when its parent was evicted and freed
+    at its last release was never reported to the policy, which kept its pinned-state entry (and
+    Tiered its residency count) for good, skewing every later choice."""
+    tiers = "prefill=0.5,decode=0.5" if policy == "tiered" else None
+    pool = BlockPool(4, make_policy("kvd" if tiers else policy, 4, tiers))
+    parent, child = pool.allocate(2, owner=1)
+    pool.seal([parent, child], [b"a", b"b"], owner=1, parents=[None, b"a"])
+    pool.release([parent, child], owner=1)  # both cached
+    assert pool.lookup([b"a", b"b"], owner=2) == [parent, child]  # hits: both pinned again
+    pool.release([parent], owner=2)
+    taken = pool.allocate(3, owner=3)  # evicts the parent: the pinned child is cut off
+    pool.release([child], owner=2)  # its last pin: freed, not cached
+    assert pool.state(child) == "free"
+    pool.release(taken, owner=3)
+    pool.check_invariants()
+    assert _remembers(pool.policy, b"b") == []
+    if tiers:
+        assert sum(pool.policy.num_resident) == len(pool.policy) == 0

@@ -101,6 +101,9 @@ class ARCPolicy(EvictionPolicy):
     def discard(self, key: Hashable) -> None:
         del (self._t1 if key in self._t1 else self._t2)[key]
 
+    def forgotten(self, key: Hashable) -> None:
+        self._pinned.pop(key, None)
+
     def victim(self) -> Hashable | None:
         if self._t1 and (len(self._t1) > self.target_t1 or not self._t2):
             key = self._t1.popitem(last=False)[0]

@@ -29,7 +29,9 @@ the pool with the default policy (`python -m bench.pool_ab` against the pool wit
 Keys are content, not block ids, so a policy that remembers evicted keys (ARC's ghost lists,
 S3-FIFO's ghost queue) recognises a block's content when it comes back in another block.
 
-A key's life:  inserted → (accessed | removed → accessed* → inserted)* → (victim | discard).
+A key's life:  inserted → (accessed | removed → accessed* → inserted)* → (victim | discard),
+or, once removed, → forgotten: a pinned block cut off from its evicted parent is freed at its last
+release instead of cached (kvd/pool.py, "Prefix tree"), and the policy must drop what it kept.
 Every event and every victim must cost O(1) (amortised): the pool calls them while holding up a
 client's request. Only keys inserted and not since removed may be returned by `victim()`.
 
@@ -108,6 +110,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def discard(self, key: Hashable) -> None:
         """Stop tracking the evictable `key`: the pool evicted it without asking (no ghost)."""
+
+    def forgotten(self, key: Hashable) -> None:
+        """The pinned `key` (last event: `removed`) left the cache without becoming evictable
+        again: drop what is kept of it (no ghost: it was never a victim). Also called for a key
+        sealed but never inserted. Policies that keep nothing of pinned keys need not override."""
 
     @abstractmethod
     def __len__(self) -> int:

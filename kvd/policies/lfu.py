@@ -98,6 +98,9 @@ class LFUPolicy(EvictionPolicy):
         self._dequeue(key)
         del self._frequency[key]
 
+    def forgotten(self, key: Hashable) -> None:
+        self._frequency.pop(key, None)
+
     def victim(self) -> Hashable | None:
         if not self._priority:
             return None

@@ -170,6 +170,9 @@ class S3FIFOPolicy(EvictionPolicy):
         if self._small.pop(key, None) is None:
             del self._main[key]
 
+    def forgotten(self, key: Hashable) -> None:
+        self._pinned.pop(key, None)
+
     def victim(self) -> Hashable | None:
         if self._loops is not None:
             return self._loops.victim(self._small, self._main, self._ghost, None,

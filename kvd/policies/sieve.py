@@ -94,6 +94,9 @@ class SIEVEPolicy(EvictionPolicy):
         self._unlink(key)
         del self._visited[key]
 
+    def forgotten(self, key: Hashable) -> None:
+        self._visited.pop(key, None)
+
     def victim(self) -> Hashable | None:
         if self._tail is None:
             return None

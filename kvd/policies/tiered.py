@@ -124,6 +124,10 @@ class TieredPolicy(EvictionPolicy):
     def discard(self, key: Hashable) -> None:
         self.policies[self._forget(key)].discard(key)
 
+    def forgotten(self, key: Hashable) -> None:
+        if key in self._tier_of:  # (not if it was sealed and never cached)
+            self.policies[self._forget(key)].forgotten(key)
+
     def _forget(self, key: Hashable) -> int:
         tier = self._tier_of.pop(key)
         self.num_resident[tier] -= 1

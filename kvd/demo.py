@@ -204,8 +204,22 @@ def format_pool(stats: dict) -> str:
 def _leftovers(name: str) -> list[str]:
     paths = DaemonPaths.for_name(name)
     candidates = [SHM_DIR + paths.segment_name, str(state_dir(name)), paths.socket_path,
-                  paths.pid_path]
+                  paths.pid_path, paths.lock_path]
     return [path for path in candidates if os.path.exists(path)]
+
+
+def _remove_lock_file(name: str) -> None:
+    """A daemon leaves its name's lock file (unlinking it could race a next daemon's flock);
+    the demo's names are its own, one per run, so once its daemon is gone the file is only
+    clutter."""
+    from kvd.daemon import is_running
+
+    paths = DaemonPaths.for_name(name)
+    if not is_running(paths):
+        try:
+            os.unlink(paths.lock_path)
+        except FileNotFoundError:
+            pass
 
 
 def _has_engines() -> bool:
@@ -243,12 +257,13 @@ def run(args: argparse.Namespace) -> int:
         status = 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+    _remove_lock_file(name)
     left = _leftovers(name)
     if left:
         print(f"kvd demo: left behind {', '.join(left)}: remove them by hand", file=sys.stderr)
         return status or 1
     if status == 0:
-        print("nothing left behind: no socket, pidfile, segment or journal")
+        print("nothing left behind: no socket, pidfile, lock file, segment or journal")
     return status
 
 

@@ -43,7 +43,9 @@ class InUseError(KvdError):
 
 
 class ProtocolError(KvdError):
-    """A frame or message broke the wire protocol; the daemon closes such a session."""
+    """A frame or message broke the wire protocol. A broken frame (length prefix, msgpack) ends
+    the session, as the stream cannot be resynchronised; a well-framed but malformed request
+    gets this error as its reply and the session goes on."""
 
     code = "PROTOCOL"
 

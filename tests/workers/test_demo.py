@@ -22,16 +22,24 @@ def _our_demo_segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith(f"kvd-{os.getuid()}-demo-")}
 
 
+def _our_demo_lock_files(env: dict) -> set[str]:
+    from kvd.runtime import runtime_dir
+
+    directory = Path(env["XDG_RUNTIME_DIR"]) / "kvd" if "XDG_RUNTIME_DIR" in env else runtime_dir()
+    return {path.name for path in directory.glob("demo-*.lock")} if directory.is_dir() else set()
+
+
 def test_demo_runs_and_cleans_up(worker_env: dict, source_root: Path) -> None:
-    before = _our_demo_segments()
+    before = _our_demo_segments(), _our_demo_lock_files(worker_env)
     done = subprocess.run([sys.executable, "-m", "kvd.cli", "demo", *SMALL], env=worker_env,
                           cwd=source_root, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert _our_demo_lock_files(worker_env) == before[1]  # (a lock file a run was once left)
     out = done.stdout
     assert re.search(r"^\s+0\s+2\s+16\s+\d+\s+[\d.]+%", out, re.M), out   # worker 0's row
     assert re.search(r"^\s+all\s+4\s+32\s", out, re.M), out
     assert "evictions" in out and "daemon stopped" in out
-    assert _our_demo_segments() == before
+    assert _our_demo_segments() == before[0]
 
 
 def test_demo_with_the_transformers_engine(worker_env: dict, source_root: Path) -> None:

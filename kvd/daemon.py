@@ -53,6 +53,7 @@ import struct
 import time
 from time import perf_counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -62,7 +63,7 @@ from kvd.errors import (
 )
 from kvd.geometry import Geometry
 from kvd.hashing import HASH_VERSION
-from kvd.journal import JOURNAL_VERSION, Journal, failpoint
+from kvd.journal import JOURNAL_VERSION, Journal, failpoint, remove_journal
 from kvd.metrics import OpStats, serve_metrics
 from kvd.policies import make_policy
 from kvd.pool import BlockPool, IndexRows
@@ -253,12 +254,17 @@ class Daemon:
     def _create_segment(self) -> None:
         stale = SHM_DIR + self.paths.segment_name
         if os.path.exists(stale):  # we hold the lock, so no live daemon uses it
-            log.warning("removing stale segment %s left by a daemon that did not stop cleanly "
-                        "(kvd start --recover keeps it)", self.paths.segment_name)
+            log.warning("removing stale segment %s left by a daemon that crashed or stopped "
+                        "with --keep (kvd start --recover keeps it)", self.paths.segment_name)
             os.unlink(stale)
         self.segment = Segment.create(self.paths.segment_name, self.geometry)
         if self.journal is not None:
             self.journal.reset(_stamp(self.segment))
+        elif Path(self.state_dir) == state_dir_of(self.paths.name):
+            # A journal there describes a segment that is gone (say, kept by stop --keep and
+            # then started clean with --no-journal): nothing would ever remove it. (Only under
+            # the name's own default: the lock held covers nothing else.)
+            remove_journal(self.state_dir)
 
     def _recover(self) -> tuple[Segment, IndexRows] | None:
         """The previous segment and its journaled blocks, or None (logged) to start clean."""

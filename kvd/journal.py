@@ -516,15 +516,21 @@ class Journal:
     def remove(self) -> None:
         """Close and delete the journal files (a plain `kvd stop`)."""
         self.close()
-        for suffix in ("", "-wal", "-shm"):
-            try:
-                os.unlink(f"{self.path}{suffix}")
-            except FileNotFoundError:
-                pass
+        remove_journal(self.state_dir)
+
+
+def remove_journal(state_dir: str | os.PathLike[str]) -> None:
+    """Delete the journal files in `state_dir`, and the directory if that empties it."""
+    path = Path(state_dir) / JOURNAL_FILENAME
+    for suffix in ("", "-wal", "-shm"):
         try:
-            self.state_dir.rmdir()
-        except OSError:
-            pass  # not empty: it holds files that are not ours
+            os.unlink(f"{path}{suffix}")
+        except FileNotFoundError:
+            pass
+    try:
+        Path(state_dir).rmdir()
+    except OSError:
+        pass  # absent, or not empty: it holds files that are not ours
 
 
 # ---- decoding ---------------------------------------------------------------------------------

@@ -753,6 +753,20 @@ def test_stop_keep_then_recover_keeps_bytes_and_index(restartable):
     assert not daemon.state_dir.exists()
 
 
+def test_a_clean_start_without_a_journal_removes_a_kept_one(restartable):
+    """Regression: stop --keep, then start --no-journal and stop: the kept journal (of a segment
+    that start replaced) stayed in /dev/shm for good."""
+    daemon = restartable()
+    daemon.start()
+    with daemon.connect() as client:
+        seal_new(client, 3)
+    daemon.stop_cli("--keep")
+    assert daemon.journal_path.exists()
+    daemon.start("--no-journal")
+    assert not daemon.state_dir.exists()
+    daemon.stop_cli()
+
+
 def test_no_journal_has_nothing_to_recover(restartable):
     daemon = restartable()
     daemon.start("--no-journal")

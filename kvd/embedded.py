@@ -13,11 +13,12 @@ It is the same BlockPool the daemon runs: a pair's block is allocated, sealed un
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.errors import BadArgsError
+from kvd.errors import BadArgsError, NoSpaceError
 from kvd.policies import POLICIES
 from kvd.pool import BlockPool
 
@@ -33,6 +34,16 @@ class Block:
     position: int
     keys: np.ndarray
     values: np.ndarray
+
+
+def _index_or_none(value: object) -> int | None:
+    """A plain int from an int or a NumPy integer (not a bool, nor a float's truncation)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -66,18 +77,25 @@ class PagedKVCache:
             dtype = np.dtype(dtype)
         except TypeError as exc:
             raise BadArgsError(f"dtype {dtype!r} is not a NumPy dtype: {exc}") from None
-        self._pool = BlockPool(num_blocks, eviction_policy)
-        # (num_blocks, K/V, block_size, head_dim)
-        self.storage = np.zeros((num_blocks, 2, block_size, head_dim), dtype=dtype)
+        if dtype.kind not in "fiu":  # (uint16 holds bfloat16, as in a daemon's pool)
+            raise BadArgsError(f"dtype must be a float or integer dtype for K/V, got {dtype}")
+        shape = (num_blocks, 2, block_size, head_dim)  # (num_blocks, K/V, block_size, head_dim)
+        try:
+            self._pool = BlockPool(num_blocks, eviction_policy)
+            self.storage = np.zeros(shape, dtype=dtype)
+        except MemoryError:
+            raise NoSpaceError(f"cannot allocate {num_blocks} blocks of {shape[1:]} {dtype} "
+                               "in this process: ask for fewer") from None
         self.hits = 0
         self.misses = 0
 
     def _key(self, layer_id: int, position: int) -> tuple[int, int]:
-        if not isinstance(layer_id, int) or not 0 <= layer_id < self.num_layers:
+        layer, index = _index_or_none(layer_id), _index_or_none(position)
+        if layer is None or not 0 <= layer < self.num_layers:
             raise BadArgsError(f"layer_id must be an int in [0, {self.num_layers}), got {layer_id!r}")
-        if not isinstance(position, int) or position < 0:
+        if index is None or index < 0:
             raise BadArgsError(f"position must be a non-negative int (block index), got {position!r}")
-        return (layer_id, position)
+        return (layer, index)
 
     def allocate_block(self, layer_id: int, position: int) -> int:
         """Return the block id of `(layer_id, position)`, allocating (and evicting) if needed."""

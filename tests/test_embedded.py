@@ -94,7 +94,7 @@ def test_invalid_constructor_arguments_are_value_errors_naming_the_valid_range(k
     assert isinstance(caught.value, kvd.KvdError)
 
 
-@pytest.mark.parametrize("layer_id", [-1, 8, 100])
+@pytest.mark.parametrize("layer_id", [-1, 8, 100, True, 1.0])
 def test_layer_out_of_range_names_the_range(layer_id):
     cache = PagedKVCache()
     for call in (cache.allocate_block, cache.get_block):
@@ -102,11 +102,30 @@ def test_layer_out_of_range_names_the_range(layer_id):
             call(layer_id, 0)
 
 
-@pytest.mark.parametrize("position", [-1, 1.0, "3", None])
+@pytest.mark.parametrize("position", [-1, 1.0, "3", None, False])
 def test_bad_position_names_the_valid_range(position):
     cache = PagedKVCache()
     with pytest.raises(ValueError, match="non-negative int"):
         cache.allocate_block(0, position)
+
+
+def test_numpy_integer_indices_name_the_same_block_as_ints():
+    """Regression: np.int64 layer ids and positions (what iterating an array yields) were
+    refused while True passed as layer 1."""
+    cache = PagedKVCache(num_blocks=4, num_layers=2)
+    block_id = cache.allocate_block(np.int64(1), np.int32(3))
+    assert cache.get_block(1, 3).block_id == block_id
+    assert cache.allocate_block(1, 3) == block_id
+
+
+def test_a_pool_this_process_cannot_hold_is_a_no_space_error_and_object_dtype_is_refused():
+    with open("/proc/sys/vm/overcommit_memory") as mode:
+        overcommits_always = mode.read().strip() == "1"
+    if not overcommits_always:  # (there a terabyte "succeeds" until it is touched)
+        with pytest.raises(kvd.NoSpaceError, match="ask for fewer"):
+            PagedKVCache(num_blocks=1 << 40, num_layers=1, block_size=16, head_dim=128)
+    with pytest.raises(kvd.BadArgsError, match="float or integer"):
+        PagedKVCache(dtype=object)
 
 
 # ---- beyond the acceptance list ----------------------------------------------------------------

@@ -384,6 +384,13 @@ class Daemon:
         try:
             while not self._is_stopping:
                 self.serve_once(1.0)
+        except BaseException:
+            # A kvd bug escaped the loop (handlers' errors never do): end like a crash, keeping
+            # what --recover restores, rather than like a plain stop that removes the cache.
+            self.keep_on_stop = self.keep_on_stop or self.journal is not None
+            log.exception("the loop failed: stopping%s", ", keeping segment and journal for "
+                          "--recover" if self.keep_on_stop else "")
+            raise
         finally:
             log.info("stopped: %s", "kept segment for restart" if self.keep_on_stop
                      else "segment and socket removed")

@@ -958,3 +958,40 @@ def test_a_journal_the_pool_cannot_take_starts_clean_and_says_so(restartable):
         check_invariants(client)
         assert client.stats()["cached"] == 0
     daemon.stop_cli()
+
+
+def test_a_bug_escaping_the_loop_keeps_segment_and_journal_for_recover(tmp_path):
+    """Regression: an exception escaping the daemon's loop ran the plain stop's cleanup, removing
+    the segment and journal, so a kvd bug cost the whole cache where a crash (SIGKILL) costs
+    nothing that --recover cannot restore."""
+    paths = DaemonPaths.for_name(daemon_name(), str(tmp_path / "kvd.sock"))
+    geometry = Geometry(num_blocks=GEOMETRY["num_blocks"], block_size=GEOMETRY["block_size"],
+                        num_layers=1, num_kv_heads=1, head_dim=8)
+    state = str(tmp_path / "state")
+    daemon = Daemon(paths, geometry, state_dir=state)
+    daemon.start()
+    pool = daemon.service.pool
+    session = daemon.service.open_session(os.getpid(), os.getuid())
+    block_ids = pool.allocate(2, session.session_id)
+    keys = new_keys(2)
+    pool.seal(block_ids, keys, session.session_id)
+    daemon.journal.commit()
+    pool.release(block_ids, session.session_id)
+
+    def explode() -> None:
+        raise RuntimeError("a kvd bug")
+
+    pool.choose_next_victim = explode
+    with pytest.raises(RuntimeError, match="a kvd bug"):
+        daemon.serve_forever()
+    segment_path = f"/dev/shm{paths.segment_name}"
+    assert os.path.exists(segment_path)
+    recovered = Daemon(paths, geometry, state_dir=state, recover=True)
+    recovered.start()
+    try:
+        assert recovered.num_restored == 2
+        assert [recovered.service.pool.find(key) for key in keys] == block_ids
+    finally:
+        recovered.stop()
+        recovered.serve_forever()
+    assert not os.path.exists(segment_path)

@@ -537,16 +537,21 @@ def test_seals_of_every_client_served_in_one_iteration_share_one_commit(inline_d
         raw.close()
 
 
-def test_crash_during_recovery_then_recovery_again(restartable):
-    daemon = restartable()
-    sealed = crash_with_sealed(daemon, 40)
-    daemon.start("--recover", wait=False, KVD_FAILPOINT="during-recovery")
-    daemon.expect_crash()
+def recover_all(daemon: Restartable, sealed: dict[bytes, int]) -> None:
+    """`--recover` must restore every one of `sealed`, bytes and hashes, into a fresh state."""
     offset = daemon.recover()
     assert f"{len(sealed)} of {len(sealed)} journaled blocks restored" in daemon.log(offset)
     with daemon.connect() as client:
         check_fresh_recovery(client)
         check_present(client, sealed)
+
+
+def test_crash_during_recovery_then_recovery_again(restartable):
+    daemon = restartable()
+    sealed = crash_with_sealed(daemon, 40)
+    daemon.start("--recover", wait=False, KVD_FAILPOINT="during-recovery")
+    daemon.expect_crash()
+    recover_all(daemon, sealed)
     daemon.stop_cli()
 
 
@@ -741,11 +746,7 @@ def test_stop_keep_then_recover_keeps_bytes_and_index(restartable):
     daemon.stop_cli("--keep")
     assert os.path.exists(daemon.segment_path) and daemon.journal_path.exists()
     assert not os.path.exists(daemon.paths.socket_path)
-    offset = daemon.recover()
-    assert "50 of 50 journaled blocks restored" in daemon.log(offset)
-    with daemon.connect() as client:
-        check_fresh_recovery(client)
-        check_present(client, sealed)
+    recover_all(daemon, sealed)
     daemon.stop_cli()
     for path in (daemon.segment_path, daemon.paths.socket_path, daemon.paths.pid_path,
                  str(daemon.journal_path), f"{daemon.journal_path}-wal"):
@@ -930,11 +931,7 @@ def test_a_start_that_fails_after_recovering_keeps_the_cache_for_the_next(restar
     assert "kvd: cannot serve metrics" in daemon.log(offset)
     assert "Traceback" not in daemon.log(offset)
     assert os.path.exists(daemon.segment_path) and daemon.journal_path.exists()
-    offset = daemon.recover()
-    assert "20 of 20 journaled blocks restored" in daemon.log(offset)
-    with daemon.connect() as client:
-        check_fresh_recovery(client)
-        check_present(client, sealed)
+    recover_all(daemon, sealed)
     daemon.stop_cli()
 
 

@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as `python bench/hit_ratio.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_json  # noqa: E402
-from kvd.policies import DEFAULT_POLICY, POLICIES  # noqa: E402
+from kvd.core.policies import DEFAULT_POLICY, POLICIES  # noqa: E402
 from kvd.replay import DEFAULT_CAPACITIES, MODES, Row, plot_rows, replay_rows  # noqa: E402
 from kvd.traces import Request, load_trace  # noqa: E402
 

@@ -46,7 +46,7 @@ for module in modules:
     print("building", target, flush=True)
     subprocess.run(command, check=True)
 EOF
-python3 -c "import kvd._wire, kvd._copy, kvd._pool, kvd._latency, kvd.policies._s3fifo"
+python3 -c "import kvd.protocol._wire, kvd._copy, kvd.core._pool, kvd.core.policies._s3fifo"
 
 # The scaling pool takes 1 GiB of /dev/shm on 16 cores; a container's default is 64 MiB.
 shm_free_kib=$(df -k --output=avail /dev/shm | tail -n 1)

@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as `python bench/policies.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import pyplot, save_plot, write_json  # noqa: E402
-from kvd.policies import POLICIES, make_policy  # noqa: E402
+from kvd.core.policies import POLICIES, make_policy  # noqa: E402
 
 SIZES = (1_000, 10_000, 100_000, 1_000_000)
 NUM_ROUNDS = 100_000

@@ -27,8 +27,8 @@ import tracemalloc
 from pathlib import Path
 
 from bench.common import printed_section, write_json
-from kvd.policies import POLICIES
-from kvd.pool import BlockPool
+from kvd.core.policies import POLICIES
+from kvd.core.pool import BlockPool
 
 ROOT = Path(__file__).resolve().parent.parent
 OWNER = 1
@@ -181,7 +181,7 @@ def print_tables(results: dict) -> None:
 def run_bench(quick: bool, out: Path) -> str:
     """`python -m bench` calls this: the default policy and LRU at 1M blocks (quick: LRU at 10k
     blocks); writes pool.json, returns the printed tables as a markdown section."""
-    from kvd.policies import DEFAULT_POLICY
+    from kvd.core.policies import DEFAULT_POLICY
 
     policies = ["lru"] if quick else ["lru", DEFAULT_POLICY]
     results = run(policies, 10_000 if quick else 1_000_000, 4096 if quick else 65_536,

@@ -1,9 +1,9 @@
 """The pool's batch ops against an earlier revision of the pool and its policies, in one process.
 
 Separate runs of bench/pool.py on a shared VM drift by more than a pool change is worth (the same
-code read 561k and 829k block-lookups/s in consecutive runs), so this bench loads kvd/pool.py,
-kvd/errors.py and kvd/policies/ as they were at `--base` (`git show`) as a package of their own
-next to the working tree's (with this build's C loops, kvd/_pool.c and kvd/policies/_s3fifo.c,
+code read 561k and 829k block-lookups/s in consecutive runs), so this bench loads kvd/core/pool.py,
+kvd/errors.py and kvd/core/policies/ as they were at `--base` (`git show`) as a package of their own
+next to the working tree's (with this build's C loops, kvd/core/_pool.c and kvd/core/policies/_s3fifo.c,
 where the base has the same C source; a base without them runs Python), and drives both pools
 with the same workload in alternating chunks; only their ratio is reported.
 
@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-import kvd.pool
+import kvd.core.pool
 from bench.common import ROOT, markdown_table
 from bench.pool import OWNER, digests
-from kvd.policies import DEFAULT_POLICY
+from kvd.core.policies import DEFAULT_POLICY
 
 OPS = ("allocate", "seal", "release", "lookup", "release again")
 ROUNDS_PER_CHUNK = 10
@@ -49,16 +49,16 @@ def git(*args: str) -> str:
 
 
 def pool_module_at(revision: str, directory: str) -> ModuleType:
-    """kvd.pool as committed at `revision` (with that revision's errors and policies), imported
+    """kvd.core.pool as committed at `revision` (with that revision's errors and policies), imported
     as package BASE_PACKAGE from `directory`."""
     package = Path(directory) / BASE_PACKAGE
     (package / "policies").mkdir(parents=True)
     (package / "__init__.py").write_text("")
-    paths = ["kvd/pool.py", "kvd/errors.py"] + git("ls-tree", "--name-only", revision,
-                                                    "kvd/_pool.c", "kvd/policies/").split()
+    paths = ["kvd/core/pool.py", "kvd/errors.py"] + git("ls-tree", "--name-only", revision,
+                                                    "kvd/core/_pool.c", "kvd/core/policies/").split()
     # Imports of the copied modules go to the base package, any other to kvd itself.
     copied = {path.removesuffix(".py").removesuffix(".c").replace("/", ".") for path in paths}
-    copied |= {"kvd.policies"}
+    copied |= {"kvd.core.policies"}
 
     def rebase(match: re.Match) -> str:  # from (package) import (name)
         if match[1] in copied or f"{match[1]}.{match[2]}" in copied:
@@ -93,7 +93,7 @@ def copy_extension(revision: str, path: str, source: str, package: Path) -> None
     shutil.copy(spec.origin, package / Path(spec.origin).relative_to(ROOT / "kvd"))
 
 
-def without_c_loops(pool: kvd.pool.BlockPool) -> kvd.pool.BlockPool:
+def without_c_loops(pool: kvd.core.pool.BlockPool) -> kvd.core.pool.BlockPool:
     pool._loops = None
     for policy in [pool.policy, *getattr(pool.policy, "policies", ())]:  # (a tiered one's tiers)
         if hasattr(policy, "_loops"):
@@ -105,11 +105,11 @@ def run(base: str, policy: str, batch: int, num_chunks: int,
         chains: bool) -> dict[str, dict[str, float]]:
     num_blocks = 1 << max(16, (4 * batch).bit_length())
     if base == PURE:
-        pools = {"base": without_c_loops(kvd.pool.BlockPool(num_blocks, policy))}
+        pools = {"base": without_c_loops(kvd.core.pool.BlockPool(num_blocks, policy))}
     else:
         with tempfile.TemporaryDirectory(prefix="kvd-pool-ab-") as directory:
             pools = {"base": pool_module_at(base, directory).BlockPool(num_blocks, policy)}
-    pools["working tree"] = kvd.pool.BlockPool(num_blocks, policy)
+    pools["working tree"] = kvd.core.pool.BlockPool(num_blocks, policy)
     samples = {name: {op: [] for op in OPS} for name in pools}
     clock, key = time.perf_counter_ns, 0
     for chunk in range(num_chunks + 1):  # the first chunk warms up and is dropped
@@ -139,7 +139,7 @@ def run(base: str, policy: str, batch: int, num_chunks: int,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="HEAD",
-                        help=f"git revision of kvd/pool.py to compare, or {PURE!r}: the working "
+                        help=f"git revision of kvd/core/pool.py to compare, or {PURE!r}: the working "
                              "tree's pool with its C loops off")
     parser.add_argument("--policy", default=DEFAULT_POLICY)
     parser.add_argument("--batch", type=int, default=256)

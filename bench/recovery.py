@@ -28,7 +28,7 @@ Beside that pool, a second full pool without a journal runs the same alloc → s
 rounds, the two taking turns slice by slice: CPU per round with and without the journal, the
 journal's share of the metadata work itself (no sockets, scheduler or cold caches, so no
 placement moves it), with the seal step and the journal's commit and upkeep shown apart; and,
-where kvd/_wire.c is built, a third turn of the journaled pool with its records packed in Python
+where kvd/protocol/_wire.c is built, a third turn of the journaled pool with its records packed in Python
 (`protocol.use_c(False)`): what the C packer saves, measured side by side.
 
 Seal throughput. Two real daemons side by side, one journaled and one `--no-journal`, in two
@@ -101,7 +101,7 @@ def digests(start: int, count: int) -> list[bytes]:
 
 
 def _daemon(name: str, num_blocks: int, recover: bool):
-    from kvd.daemon import Daemon
+    from kvd.server.daemon import Daemon
     from kvd.geometry import Geometry
     from kvd.runtime import DaemonPaths
 
@@ -168,9 +168,9 @@ class Stopwatch:
 
 def child_recover(name: str, num_blocks: int) -> None:
     """Time a real recovery end to end, then its steps one by one; print JSON."""
-    from kvd.daemon import _bump_free_generations
-    from kvd.journal import Journal
-    from kvd.pool import BlockPool
+    from kvd.server.daemon import _bump_free_generations
+    from kvd.server.journal import Journal
+    from kvd.core.pool import BlockPool
     from kvd.runtime import DaemonPaths, state_dir
     from kvd.segment import Segment
 
@@ -469,8 +469,8 @@ def bench_commit_cost(seconds: float, batch_sizes: tuple[int, ...] = BATCH_SIZES
     costs with and without the journal, with no scheduler, socket or cold cache in between —
     the journal's own share of a round, the figure no placement moves."""
     from kvd import protocol
-    from kvd.journal import Journal
-    from kvd.pool import BlockPool
+    from kvd.server.journal import Journal
+    from kvd.core.pool import BlockPool
     from kvd.runtime import SHM_DIR
 
     rows = {}
@@ -493,7 +493,7 @@ def bench_commit_cost(seconds: float, batch_sizes: tuple[int, ...] = BATCH_SIZES
             plain: dict[str, list[int]] = {step: [] for step in ROUND_STEPS}
             python: dict[str, list[int]] = {step: [] for step in ROUND_STEPS}
             turns = [(pool, journal, samples), (plain_pool, None, plain)]
-            if protocol.native() is not None:  # and the journal packing records in Python
+            if protocol.wire() is not None:  # and the journal packing records in Python
                 turns.append((pool, journal, python))
             for _ in range(NUM_SLICES):  # taking turns: machine noise hits every one alike
                 for each, each_journal, each_samples in turns:

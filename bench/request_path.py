@@ -12,7 +12,7 @@ It reports, per op of the control plane's round (alloc, seal, release, lookup, r
   * the in-process round trip, kvd (client encode → send → serve_once → recv → decode) next to
     the echo floor with the same request body, medians of interleaved chunks;
   * the same kvd round trip with its frame codec in pure Python (`kvd.protocol.use_c(False)`),
-    in the same interleaving: what kvd/_wire.c saves;
+    in the same interleaving: what kvd/protocol/_wire.c saves;
   * the server's side of those same round trips alone: kvd's `serve_once` (select, recv,
     decode, handle, encode, send) and the echo server's loop iteration. A daemon that runs flat
     out on a core of its own serves 1 / (its time per request), so over the round's mix of ops
@@ -42,7 +42,7 @@ import msgpack
 from bench.common import TINY_GEOMETRY, bench_main, markdown_table, progress, write_json
 from bench.control_plane import NUM_BLOCKS, OPS, digests, echo_replies
 from kvd import protocol
-from kvd.daemon import Daemon
+from kvd.server.daemon import Daemon
 from kvd.geometry import Geometry
 from kvd.protocol import PROTOCOL_VERSION, FrameDecoder, FrameEncoder, decode_reply, decode_request
 from kvd.runtime import DaemonPaths
@@ -186,7 +186,7 @@ def run(quick: bool) -> dict[str, Any]:
     echo_server: dict[str, list[int]] = {op: [] for op in OPS}
     # kvd's server side again with its handler answering constants: the framework's share
     stub_server: dict[str, list[int]] = {op: [] for op in OPS}
-    has_c = protocol.use_c(True)  # (off where kvd/_wire.c was not built: no pure column then)
+    has_c = protocol.use_c(True)  # (off where kvd/protocol/_wire.c was not built: no pure column then)
     stage_samples: dict[str, list[int]] = {f"{op}:{stage}": [] for op in OPS
                                            for stage in ("decode", "handle", "encode")}
     key = 0
@@ -271,7 +271,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"sides), steady to a fraction of a µs; batch 1, {results['rounds']:,} rounds, "
             f"medians. The pure-Python column is the same kvd round trip with the frame codec "
             f"in Python (kvd.protocol.use_c(False)), interleaved with the others: what "
-            f"kvd/_wire.c saves. The stages are kvd's decode (unpack + parse), handle "
+            f"kvd/protocol/_wire.c saves. The stages are kvd's decode (unpack + parse), handle "
             f"(validation + pool) and encode of the same requests, each timed alone. The server "
             f"columns time the server's side of the same round trips alone (kvd's serve_once, "
             f"the echo server's loop iteration): over a round (alloc, seal, release, lookup, "

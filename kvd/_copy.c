@@ -15,7 +15,7 @@ bench/data_plane.py (1.45-1.50x, side by side). Below that size the lines the wr
 cache are the ones attention reads next, and ordinary stores are faster (kvd/blockcopy.py measures
 where).
 
-The contract is one-sided, as kvd/_wire.c's: `scatter_rows` checks everything first -- buffer
+The contract is one-sided, as kvd/protocol/_wire.c's: `scatter_rows` checks everything first -- buffer
 shapes and contiguity, every row index in [0, len(dst) / row_nbytes), that no buffer overlaps dst
 -- and returns False without writing a byte if anything is off; the caller then runs the NumPy
 assignment, which is the specification (negative indices, overlapping views, its IndexError).

@@ -32,18 +32,14 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 from pathlib import Path
 
 import numpy as np
 
-from kvd.protocol import PURE_PYTHON_ENV
+from kvd import native
 
-try:
-    from kvd import _copy as _built_copy
-except ImportError:  # not built (a plain source checkout, or no C compiler at install)
-    _built_copy = None
-_copy = None if os.environ.get(PURE_PYTHON_ENV) == "1" else _built_copy
+_built_copy = native.built("copy")  # (twin tests call it directly)
+_copy = native.load("copy")
 
 FALLBACK_LLC_NBYTES = 32 * 1024 * 1024  # when sysfs does not say
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvd.errors import BadArgsError, DisconnectedError, KvdError
 from kvd.geometry import DTYPES, Geometry
-from kvd.policies import DEFAULT_POLICY, POLICIES, parse_tiers
+from kvd.core.policies import DEFAULT_POLICY, POLICIES, parse_tiers
 from kvd.protocol import codec
 from kvd.runtime import DEFAULT_NAME, DaemonPaths, runtime_dir
 
@@ -86,7 +86,7 @@ def _geometry(args: argparse.Namespace) -> Geometry:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from kvd.daemon import Daemon
+    from kvd.server.daemon import Daemon
 
     if args.policy not in POLICIES and args.policy != "default":
         raise BadArgsError(f"unknown --policy {args.policy!r}: choose one of "
@@ -167,7 +167,7 @@ def _socket_of(args: argparse.Namespace) -> str:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     from kvd.client import connect
-    from kvd.daemon import is_running
+    from kvd.server.daemon import is_running
 
     if not args.timeout > 0:
         raise BadArgsError(f"--timeout must be > 0 seconds, got {args.timeout}")
@@ -201,7 +201,7 @@ EXIT_NOT_RESPONDING = 4  # "status unknown": the name is held, the daemon does n
 def _daemon_stats(args: argparse.Namespace) -> tuple[dict[str, Any] | None, int, str]:
     """`(stats, 0, "")`, or `(None, exit code, why)` when the daemon cannot say."""
     from kvd.client import connect
-    from kvd.daemon import is_running
+    from kvd.server.daemon import is_running
 
     if not args.timeout > 0:
         raise BadArgsError(f"--timeout must be > 0 seconds, got {args.timeout}")

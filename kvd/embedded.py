@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvd.errors import BadArgsError, NoSpaceError
-from kvd.policies import POLICIES
-from kvd.pool import BlockPool
+from kvd.core.policies import POLICIES
+from kvd.core.pool import BlockPool
 
 _EMBEDDED_OWNER = 0
 

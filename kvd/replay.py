@@ -6,7 +6,7 @@ A trace (kvd/traces.py) lists, per request, the content keys of its prompt block
 Replay feeds them to the *same policy objects the daemon runs* at each capacity, in one of two
 modes:
 
-``pool`` (default) drives `kvd.pool.BlockPool` exactly as an engine drives the daemon:
+``pool`` (default) drives `kvd.core.pool.BlockPool` exactly as an engine drives the daemon:
     `lookup` pins the longest cached prefix; every later key that is still cached is pinned too
     (a block hit that an engine could reuse only by recomputing the gap); the missing keys are
     allocated (evicting as the policy says) and sealed; at the end of the request everything is
@@ -47,8 +47,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from kvd.errors import BadArgsError
-from kvd.policies import DEFAULT_POLICY, POLICIES, TIER_DECODE, make_policy, parse_tiers
-from kvd.pool import BlockPool
+from kvd.core.policies import DEFAULT_POLICY, POLICIES, TIER_DECODE, make_policy, parse_tiers
+from kvd.core.pool import BlockPool
 from kvd.traces import TRACE_BLOCK_TOKENS, Request, decode_blocks, load_trace
 
 MODES = ("pool", "anchor")

@@ -7,7 +7,7 @@ import pytest
 
 import kvd
 from kvd import PagedKVCache
-from kvd.policies import DEFAULT_POLICY, POLICIES
+from kvd.core.policies import DEFAULT_POLICY, POLICIES
 
 USAGE_KEYS = ("total_blocks", "used_blocks", "free_blocks", "utilization")
 

@@ -30,6 +30,13 @@ def _block(marker: str) -> str:
     return block
 
 
+def _found(pattern: str, text: str, flags: int = 0) -> str:
+    """The first group of `pattern` in `text`, which must match."""
+    match = re.search(pattern, text, flags)
+    assert match is not None, f"{pattern!r} not found"
+    return match.group(1)
+
+
 def _run(code: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=child_env(HF_HUB_OFFLINE="1"),
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
@@ -50,7 +57,7 @@ def test_client_example_runs_against_a_daemon(kvd_daemon):
 def test_embedded_example_runs_and_prints_what_it_says():
     result = _run(_block("PagedKVCache("))
     assert result.returncode == 0, result.stderr
-    expected = re.search(r"# (\{'total_blocks'.*?), \.\.\.\}", _block("PagedKVCache(")).group(1)
+    expected = _found(r"# (\{'total_blocks'.*?), \.\.\.\}", _block("PagedKVCache("))
     assert result.stdout.startswith(expected)
 
 
@@ -60,16 +67,16 @@ def test_transformers_example_runs_against_the_daemon_it_names(daemon_factory):
         pytest.importorskip("torch", reason="`pip install -e '.[engines]'` runs this example")
         pytest.importorskip("transformers", reason="`pip install -e '.[engines]'`")
     code = _block("generate_with_kvd(")
-    start = shlex.split(re.search(r"# kvd start --name hf (.+)", code).group(1))
+    start = shlex.split(_found(r"# kvd start --name hf (.+)", code))
     daemon = daemon_factory(start)
     result = _run(code.replace('"hf"', repr(daemon.name)), timeout_s=300)
     assert result.returncode == 0, result.stderr
-    expected = re.search(r"print\(first.*# (\d+ \d+):", code).group(1)
+    expected = _found(r"print\(first.*# (\d+ \d+):", code)
     assert result.stdout.split("\n")[0] == expected
 
 
 def test_ci_runs_the_readme_test_command():
-    command = re.search(r"# 2\. install and run the tests.*\n(.+)\n", README).group(1)
+    command = _found(r"# 2\. install and run the tests.*\n(.+)\n", README)
     assert command in (ROOT / ".ci" / "run").read_text()
 
 
@@ -81,7 +88,7 @@ def _subcommands() -> dict[str, argparse.ArgumentParser]:
 
 
 def test_cli_synopsis_names_every_command_and_flag():
-    synopsis = re.search(r"## The `kvd` command\n\n```\n(.*?)```", README, flags=re.DOTALL).group(1)
+    synopsis = _found(r"## The `kvd` command\n\n```\n(.*?)```", README, re.DOTALL)
     lines: dict[str, str] = {}
     for line in synopsis.splitlines():  # a command's line and its continuation lines
         command = re.match(r"kvd (\w+)", line)

@@ -205,9 +205,9 @@ def test_metrics_endpoint_serves_kvd_metrics_that_agree_with_kvd_stats(daemon_fa
     for op in ("alloc", "seq_open", "seq_commit", "seq_close", "release"):
         count = got[("kvd_request_latency_seconds_count", (("op", op),))]
         assert count == stats["requests"][op] > 0, op
-    # The README lists every name a query must use (counters carry the _total suffix).
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("`--metrics-port P`"):readme.index("## Client API")]
+    # docs/operations.md lists every name a query must use (counters carry the _total suffix).
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    section = doc[doc.index("`--metrics-port P`"):doc.index("## Environment")]
     listed = set(re.findall(r"`(kvd_[a-z_]+)(?:\{[a-z]+\})?`", section))
     exported = {name for name, _ in got if not name.startswith("kvd_request_latency_seconds")}
     assert listed == exported | {"kvd_request_latency_seconds"}

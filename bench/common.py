@@ -1,22 +1,34 @@
-"""Shared helpers of the benches: a real daemon in a subprocess, timing, and result files.
+"""What every bench shares: a real daemon, the echo floor, placement, timing and result files.
 
 Every bench in `python -m bench` measures kvd next to a floor or an alternative in the same run
-(the machines are noisy, so only ratios taken side by side mean anything). The helpers here keep
-that uniform: `Daemon` runs `kvd start` exactly as a user would (a subprocess with its own
-runtime directory, stopped with SIGTERM, leaving nothing in /dev/shm), `percentiles` and
-`best_rate` turn samples into the numbers the tables show, and `write_json` / `save_plot` put
-results under the output directory with small PNGs (dpi 100).
+(the machines are noisy, so only ratios taken side by side mean anything). The pieces:
+
+* `Daemon`: `kvd start` exactly as a user runs it (a subprocess with its own runtime directory,
+  stopped with SIGTERM, leaving nothing in /dev/shm), or with `--recover` and stopped `--keep`.
+* The floor, `EchoServer` / `EchoClient`: a minimal msgpack server on the same kind of Unix socket
+  with kvd's framing (4-byte big-endian length + msgpack body), one `selectors` loop that decodes
+  each request and answers `[id, True, None]`. Whatever kvd costs above it is the daemon's and the
+  client library's own work. `python -m bench.common --echo-server SOCKET` runs it.
+* Placement: `pinned` holds processes on given CPUs with `os.sched_setaffinity`, so kvd and its
+  floor always meet the same conditions; free-running, a small VM's scheduler puts a server
+  beside its client or on another vCPU, and not alike for the two
+  (`python -m bench.diagnostics.placement` shows it).
+* Timing and results: `percentiles`, `cpu_ns` (a process's CPU time), `write_json`,
+  `markdown_table`, `save_plot` (small PNGs), `bench_main` (a bench's command line).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
-import io
 import json
 import os
+import selectors
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -26,19 +38,38 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgpack
+
 import kvd
+from kvd.geometry import Geometry
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_TRACES = ROOT.parent / "shared" / "traces"
+# The Mooncake traces (bench/hit_ratio.py): ../shared/traces beside the checkout, or $KVD_TRACES.
+SHARED_TRACES = Path(os.environ.get("KVD_TRACES") or ROOT.parent / "shared" / "traces")
 PLOT_DPI = 100
+OWNER = 1  # the session id a bench gives a bare BlockPool's calls
 
 # Small blocks keep the segment tiny where only metadata is measured (control plane, scaling).
 TINY_GEOMETRY = {"layers": 1, "kv_heads": 1, "head_dim": 8, "block_size": 16, "dtype": "float16"}
+_STARTED = time.monotonic()
+_LENGTH = struct.Struct(">I")
 
 
 def progress(message: str) -> None:
-    """One progress line on stderr (stdout stays for tables)."""
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    """One progress line on stderr (stdout stays for tables), with the seconds since start."""
+    print(f"[bench +{time.monotonic() - _STARTED:.0f} s] {message}", file=sys.stderr, flush=True)
+
+
+def digests(start: int, count: int) -> list[bytes]:
+    """Distinct 16-byte content hashes (the size kvd.hash_blocks makes)."""
+    return [i.to_bytes(16, "little") for i in range(start, start + count)]
+
+
+def geometry_of(num_blocks: int, geometry: dict[str, Any] = TINY_GEOMETRY) -> Geometry:
+    """The Geometry `kvd start` builds from these flags (`Daemon`'s keyword arguments)."""
+    return Geometry(num_blocks=num_blocks, num_layers=geometry["layers"],
+                    block_size=geometry["block_size"], num_kv_heads=geometry["kv_heads"],
+                    head_dim=geometry["head_dim"], dtype=geometry["dtype"])
 
 
 def child_env(runtime_dir: str | None = None) -> dict[str, str]:
@@ -51,25 +82,30 @@ def child_env(runtime_dir: str | None = None) -> dict[str, str]:
     return env
 
 
+# ---- a daemon as a user runs it ---------------------------------------------------------------
 class Daemon:
-    """`kvd start` in a subprocess with a private runtime dir; a context manager.
+    """`kvd start` in a subprocess; a context manager.
 
-    `socket_path` is what `kvd.connect` takes (also from other processes, which need not share
-    our environment).
+    Each has a runtime dir of its own unless `runtime_dir` is given (with `name`: a daemon an
+    earlier one of that name left for `--recover`). `socket_path` is what `kvd.connect` takes,
+    also from other processes. `ready_s`: from exec to the first successful connect.
     """
 
     def __init__(self, num_blocks: int, journal: bool = False, policy: str = "default",
+                 recover: bool = False, name: str | None = None, runtime_dir: str | None = None,
                  **geometry: Any) -> None:
-        self.runtime_dir = tempfile.mkdtemp(prefix="kvdb-", dir="/tmp")
-        self.name = f"bench-{uuid.uuid4().hex[:8]}"
+        self.owns_runtime_dir = runtime_dir is None
+        self.runtime_dir = runtime_dir or tempfile.mkdtemp(prefix="kvdb-", dir="/tmp")
+        self.name = name or f"bench-{uuid.uuid4().hex[:8]}"
         self.socket_path = os.path.join(self.runtime_dir, "kvd", f"{self.name}.sock")
-        self.log_path = os.path.join(self.runtime_dir, "daemon.log")
+        self.log_path = os.path.join(self.runtime_dir, f"{self.name}.log")
         command = [sys.executable, "-m", "kvd.cli", "start", "--name", self.name,
                    "--num-blocks", str(num_blocks), "--policy", policy, "--log-level", "WARNING"]
         for key, value in {**TINY_GEOMETRY, **geometry}.items():
             command += [f"--{key.replace('_', '-')}", str(value)]
-        if not journal:
-            command.append("--no-journal")
+        command += [] if journal else ["--no-journal"]
+        command += ["--recover"] if recover else []
+        started = time.perf_counter()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(command, env=child_env(self.runtime_dir), cwd=ROOT,
                                          stdout=log, stderr=log)
@@ -78,8 +114,9 @@ class Daemon:
         except BaseException:
             self.stop()
             raise
+        self.ready_s = time.perf_counter() - started
 
-    def _wait_ready(self, timeout_s: float = 30.0) -> None:
+    def _wait_ready(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -90,7 +127,7 @@ class Daemon:
             except kvd.KvdError:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"kvd start not ready in {timeout_s} s: {self.log()}")
-                time.sleep(0.02)
+                time.sleep(0.005)
 
     def connect(self) -> kvd.Client:
         return kvd.connect(self.socket_path, reconnect_timeout_s=0)
@@ -99,20 +136,26 @@ class Daemon:
         with open(self.log_path, errors="replace") as file:
             return file.read()[-2000:]
 
-    def stop(self) -> None:
-        """SIGTERM, wait, and remove the runtime dir; raise if the daemon left anything."""
+    def stop(self, keep: bool = False) -> None:
+        """Stop the daemon: SIGTERM, or with `keep` a shutdown that keeps segment and journal
+        for the next `--recover`. Raise if a plain stop left its segment behind."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            if keep:
+                with self.connect() as client:
+                    client.shutdown(keep=True)
+            else:
+                self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        if self.owns_runtime_dir:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
         segment = f"/dev/shm/kvd-{os.getuid()}-{self.name}"
-        if os.path.exists(segment):
+        if not keep and os.path.exists(segment):
             os.unlink(segment)
-            raise RuntimeError(f"daemon {self.name} left its segment behind: {self.log()}")
+            raise RuntimeError(f"daemon {self.name} left its segment behind")
 
     def __enter__(self) -> Daemon:
         return self
@@ -121,11 +164,180 @@ class Daemon:
         self.stop()
 
 
-# ---- timing ---------------------------------------------------------------------------------
+# ---- the floor: a msgpack echo server -----------------------------------------------------------
+def echo_replies(buffer: bytearray) -> bytes:
+    """Answer every complete frame in `buffer` with `[id, True, None]`; consume those frames."""
+    replies, offset = [], 0
+    while len(buffer) - offset >= 4:
+        (nbytes,) = _LENGTH.unpack_from(buffer, offset)
+        end = offset + 4 + nbytes
+        if end > len(buffer):
+            break
+        request = msgpack.unpackb(buffer[offset + 4:end])
+        body = msgpack.packb([request[0], True, None])
+        replies.append(_LENGTH.pack(len(body)) + body)
+        offset = end
+    del buffer[:offset]
+    return b"".join(replies)
+
+
+def serve_echo(socket_path: str) -> None:
+    """Answer every frame with `[id, True, None]` until SIGTERM; one selectors loop."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(512)
+    listener.setblocking(False)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, None)
+    buffers: dict[socket.socket, bytearray] = {}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while True:
+        for key, _ in selector.select():
+            if key.data is None:
+                sock, _ = listener.accept()
+                sock.setblocking(False)
+                buffers[sock] = bytearray()
+                selector.register(sock, selectors.EVENT_READ, sock)
+                continue
+            sock = key.data
+            data = sock.recv(65536)  # not 256 KiB: malloc would mmap and munmap it every call
+            if not data:
+                selector.unregister(sock)
+                del buffers[sock]
+                sock.close()
+                continue
+            buffers[sock] += data
+            sock.sendall(echo_replies(buffers[sock]))
+
+
+class _EchoProtocol(asyncio.Protocol):
+    """The same echo as an asyncio Protocol (not streams): what kvd would run on asyncio."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: Any = transport
+        self.buffer = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        self.transport.write(echo_replies(self.buffer))
+
+
+def serve_echo_asyncio(socket_path: str) -> None:
+    """`serve_echo` on asyncio's event loop, until SIGTERM."""
+    async def serve() -> None:
+        server = await asyncio.get_running_loop().create_unix_server(_EchoProtocol, socket_path)
+        async with server:
+            await server.serve_forever()
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    asyncio.run(serve())
+
+
+class EchoClient:
+    """The floor's client: pack, send, read one reply; nothing else."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(socket_path)
+        self._next_id = 1
+
+    def call(self, op: str, args: dict[str, Any]) -> Any:
+        request_id = self._next_id
+        self._next_id += 1
+        body = msgpack.packb([request_id, op, args])
+        self.sock.sendall(_LENGTH.pack(len(body)) + body)
+        data = self.sock.recv(65536)
+        while len(data) < 4 or len(data) < 4 + _LENGTH.unpack_from(data)[0]:
+            data += self.sock.recv(65536)
+        return msgpack.unpackb(data[4:])[2]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class ServerProcess:
+    """A server in a subprocess with a temp directory of its own, ready once `is_ready()` says
+    so; stopped (SIGTERM) and its directory removed on `stop()`. A context manager."""
+
+    def __init__(self, command: list[str], directory: str, is_ready: Callable[[], bool],
+                 env: dict[str, str] | None = None) -> None:
+        self.directory = directory
+        self.proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while not is_ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{command[0]} {' '.join(command[1:3])} did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+
+class EchoServer(ServerProcess):
+    """The echo server in its own interpreter, as the daemon has. `loop`: "selectors" (the
+    floor) or "asyncio"."""
+
+    def __init__(self, loop: str = "selectors") -> None:
+        directory = tempfile.mkdtemp(prefix="kvde-", dir="/tmp")
+        self.socket_path = os.path.join(directory, "echo.sock")
+        super().__init__([sys.executable, "-m", "bench.common", "--echo-server",
+                          self.socket_path, "--loop", loop], directory, self._answers,
+                         child_env())
+
+    def _answers(self) -> bool:
+        try:
+            EchoClient(self.socket_path).close()
+            return True
+        except OSError:
+            return False
+
+
+# ---- placement ----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def pinned(cpu_of: dict[int, int]) -> Iterator[None]:
+    """Pin each process (its main thread) to its CPU for the block, then restore their CPU sets."""
+    saved = {pid: os.sched_getaffinity(pid) for pid in cpu_of}
+    try:
+        for pid, cpu in cpu_of.items():
+            os.sched_setaffinity(pid, {cpu})
+        yield
+    finally:
+        for pid, cpus in saved.items():
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(pid, cpus)
+
+
+def placements(client_pids: Sequence[int],
+               server_pids: Sequence[int]) -> dict[str, dict[int, int]]:
+    """The placements a cross-process bench measures, each the same for every server: all on one
+    CPU, and (given two CPUs) the clients on one and the servers on another, so that every round
+    trip crosses CPUs for kvd and its floor alike."""
+    cpus = sorted(os.sched_getaffinity(os.getpid()))
+    chosen = {"one CPU": {pid: cpus[0] for pid in (*client_pids, *server_pids)}}
+    if len(cpus) >= 2:
+        chosen["client apart"] = {**{pid: cpus[0] for pid in client_pids},
+                                  **{pid: cpus[1] for pid in server_pids}}
+    return chosen
+
+
+# ---- timing -------------------------------------------------------------------------------------
 def percentiles(samples_ns: Sequence[int]) -> dict[str, float]:
     """p50 and p99 of samples in ns, returned in microseconds."""
     ordered = sorted(samples_ns)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1e3
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1e3
     return {"p50_us": pick(0.50), "p99_us": pick(0.99), "n": len(ordered)}
 
 
@@ -140,21 +352,29 @@ def best_seconds(func: Callable[[], Any], repeats: int, min_time_s: float = 0.0)
     return best
 
 
-# ---- results --------------------------------------------------------------------------------
+def cpu_ns(pid: int) -> int:
+    """Nanoseconds every live thread of process `pid` has run: /proc/PID/task/*/schedstat
+    (exact), else, where a kernel or sandbox has none (gVisor's), user + system time from
+    /proc/PID/stat in clock ticks (10 ms each: a few % of a one-second turn's server time)."""
+    total = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError):  # (the thread ended meanwhile)
+                with open(f"/proc/{pid}/task/{task}/schedstat") as file:
+                    total += int(file.read().split()[0])
+        return total
+    except FileNotFoundError:
+        with open(f"/proc/{pid}/stat") as file:  # fields after the ")" closing the command name
+            fields = file.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) * 10**9 // os.sysconf("SC_CLK_TCK")
+
+
+# ---- results ------------------------------------------------------------------------------------
 def write_json(out: Path, name: str, results: Any) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
     path.write_text(json.dumps(results, indent=1, default=str) + "\n")
     return path
-
-
-def printed_section(title: str, print_tables: Callable[[Any], None], results: Any) -> str:
-    """A markdown section holding what `print_tables(results)` prints, as a text block (for the
-    benches whose tables are fixed-width text)."""
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        print_tables(results)
-    return f"## {title}\n\n```text{text.getvalue()}```\n"
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -182,6 +402,15 @@ def save_plot(figure: Any, out: Path, name: str) -> Path:
     return path
 
 
+def report(out: Path, name: str, results: Any, markdown: Callable[[Any], str],
+           plot: Callable[[Any, Path], Path] | None = None) -> str:
+    """Write `results` as out/NAME.json (and their plot), return their markdown section."""
+    write_json(out, name, results)
+    if plot is not None:
+        plot(results, out)
+    return markdown(results)
+
+
 def bench_main(doc: str, run_bench: Callable[[bool, Path], str],
                argv: list[str] | None = None) -> int:
     """`python -m bench.<name> [--quick] [--out DIR]`: run one bench, print its section."""
@@ -193,28 +422,15 @@ def bench_main(doc: str, run_bench: Callable[[bool, Path], str],
     return 0
 
 
-@contextlib.contextmanager
-def one_cpu(*pids: int) -> Iterator[None]:
-    """Pin these processes to one CPU (the lowest this process may use) for the block.
-
-    Cross-process round trips on a small VM depend on where the scheduler puts the client and
-    each server: on one vCPU or two (an IPI, maybe a halted vCPU to wake), next to whatever else
-    runs. Between identical runs that moved the batch-1 ratio from 0.8x to 3x. With the client,
-    the echo server and the daemon on one CPU, kvd and its floor always meet the same conditions.
-    """
-    cpu = min(os.sched_getaffinity(os.getpid()))
-    with pinned({pid: cpu for pid in pids}):
-        yield
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.common --echo-server SOCKET [--loop asyncio]`: EchoServer's child."""
+    parser = argparse.ArgumentParser(description="the echo floor, for EchoServer")
+    parser.add_argument("--echo-server", metavar="SOCKET", required=True)
+    parser.add_argument("--loop", choices=("selectors", "asyncio"), default="selectors")
+    args = parser.parse_args(argv)
+    (serve_echo_asyncio if args.loop == "asyncio" else serve_echo)(args.echo_server)
+    return 0
 
 
-@contextlib.contextmanager
-def pinned(cpu_of: dict[int, int]) -> Iterator[None]:
-    """Pin each process to its CPU for the block, then restore their CPU sets."""
-    saved = {pid: os.sched_getaffinity(pid) for pid in cpu_of}
-    try:
-        for pid, cpu in cpu_of.items():
-            os.sched_setaffinity(pid, {cpu})
-        yield
-    finally:
-        for pid, cpus in saved.items():
-            os.sched_setaffinity(pid, cpus)
+if __name__ == "__main__":
+    sys.exit(main())

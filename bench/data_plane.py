@@ -3,73 +3,33 @@
 A worker moves its KV cache one layer at a time: it writes the K and V of its new tokens into the
 sequence's blocks, then gathers the K and V of every token back for attention. Both are
 workers/model.py's `PagedKV.write` and `PagedKV.gather`, run here unchanged over each store with
-the same data (a float16 model's K/V, so no dtype conversion hides the copies). The ops take
-turns call by call for many rounds, each round in a fresh random order (so every op follows every
-other equally often), and the table shows medians, so machine noise and cache state hit them
-alike:
+the same data (a float16 model's K/V, so no dtype conversion hides the copies). A decode step is
+timed too: the newest token's K/V written into its block, then the whole layer read back as
+float32 for attention (`PagedKV.read`, which converts only the blocks written since). The stores:
 
 * **kvd**: `PagedKV` over `client.pool`, the NumPy view of the daemon's POSIX shared-memory
   segment, with block ids a real `alloc` handed out (shuffled: a long-lived pool hands out
   scattered blocks);
-The same stores also time a decode step of that sequence: the newest token's K/V written into
-its block, then the whole layer read back as float32 for attention (`PagedKV.read`, which keeps a
-float32 copy per layer and converts only the blocks written since: converting the whole context
-on every read took this float16 step 23.5 ms, against 0.2 ms now, side by side in two runs).
-
-* **kvd, ordinary stores**: the same pool, with the write's streaming stores turned off
-  (`PagedKV(..., streaming_min_nbytes=math.inf)`): what they buy (kvd/blockcopy.py), side by
-  side; its gather is kvd's, timed again;
-* **private**: the same over a private NumPy array of the same shape, starting on a page boundary
-  as kvd's pool does — the ceiling (goal: kvd >= 0.9x its throughput);
-* **private, 4 KiB pages**: the same private array on 4 KiB pages (MADV_NOHUGEPAGE), the page size
-  shared memory gets on a default /dev/shm;
+* **kvd, ordinary stores**: the same pool with the write's streaming stores turned off
+  (`streaming_min_nbytes=math.inf`): what they buy (kvd/blockcopy.py); its gather is kvd's again;
+* **private**: a private NumPy array of the same shape, starting on a page boundary as kvd's pool
+  does: the ceiling (goal: kvd >= 0.9x its throughput);
+* **private, 4 KiB pages**: the same on 4 KiB pages (MADV_NOHUGEPAGE), the page size shared
+  memory gets on a default (`huge=never`) /dev/shm, where NumPy's private arrays get 2 MiB pages;
 * **Redis**: what a user might pick instead: `redis-server` on a Unix socket (started here, no
-  persistence), one key per block, layer and part holding its bytes. A write is one pipeline of
-  two MSETs of zero-copy memoryviews, a gather one pipeline of two MGETs copied into a buffer
-  reused from call to call, as PagedKV does (joining the replies into a fresh array faulted in
-  4,000 new pages per call). Replies go through hiredis when it is installed (the output says
-  so); commands always through redis-py's own packer, which sends large values without copying
-  them (with hiredis installed, redis-py would pack with it and copy: writes took twice as
-  long). Skipped with a message when redis-server or redis-py >= 5 is missing (`apt-get install
-  -y redis-server`, `pip install redis hiredis`). Expectation: kvd >= 10x Redis.
+  persistence), a key per block, layer and part. A write is one pipeline of two MSETs of
+  zero-copy memoryviews, a gather one pipeline of two MGETs copied into a buffer reused from call
+  to call, as PagedKV does. Replies go through hiredis when installed; commands always through
+  redis-py's own packer, which sends large values without copying them. Skipped with a message
+  when redis-server or redis-py >= 5 is missing. Expectation: kvd >= 10x Redis.
 
-Why shared memory can be slower than a private array, and what kvd does about it (figures from
-runs of this bench on a 2-core AMD EPYC VM):
-
-1. **Page size.** NumPy madvises transparent huge pages for large arrays, so a private array
-   lives on 2 MiB pages, while a default (`huge=never`) /dev/shm gives the segment 4 KiB pages
-   (mounted `huge=within_size`, it gives 2 MiB pages too, and kvd needs no change). The "4 KiB
-   pages" row measures what the page size costs: 1-3 % here (a layer moves in runs of 32 KiB,
-   8 pages each, so a TLB miss per page is small beside the bytes). Moving the segment onto huge
-   pages with MADV_COLLAPSE was tried and measured no faster through the workers' mappings
-   (within 1-2 %, pools of 128 MiB and 2 GiB), so kvd does not do it. The output states which
-   pages each store really got.
-2. **Alignment.** Copies of runs this long go through glibc's memmove (`rep movsb` here), whose
-   speed depends on where source and destination sit in their 64-byte lines: from a page-aligned
-   source into a destination 16 bytes past a page, a write took 2.2x as long as into a
-   page-aligned one; the other way round, 1.1x. `np.empty` places large arrays 16 bytes past a
-   page boundary, kvd's pool starts on one. An earlier version of this bench wrote from such a
-   source into such a private array (the fast case) and into kvd's pool (the slower one), which
-   with the page size read as kvd writing at 0.71x; the private arrays here start on a page too.
-   The same held for the gather's destination: PagedKV gathered into an `np.empty` buffer, and
-   moving that buffer onto a page boundary took a 16 MiB gather from 3.3-3.4 ms to 1.8-2.0 ms
-   (the speed of a plain 16 MiB memcpy here), kvd over Redis from 10x to 19x. Redis's reply
-   blocks are copied into such a buffer too, so both gathers end in the same copy.
-3. **Copy granularity.** `PagedKV` moves a block's tokens as one contiguous run per part. The
-   per-token scatter it used before (T runs of H*D values) wrote 1.4-1.6x slower, and gathering
-   into a fresh array per call faulted in ~1,000 new pages each time, at 5-6x the copy's cost.
-4. **Page faults.** A process's first touch of each 4 KiB page of the segment is a minor fault
-   (~3 us here: a cold 16 MiB write took ~8x a warm one), once per page per process, as a private
-   array's first touch is. Prefaulting at create would not help a worker (page tables are per
-   process, and `posix_fallocate` already allocates every page); MAP_POPULATE in each worker
-   maps the whole segment at ~0.5 us a page, but at connect time and for every client. Every
-   store here is touched before timing, and the table lists the faults per call.
-5. **Turn order.** Every op must follow every other one equally often: an op right after Redis's
-   finds the caches full of Redis's buffers instead of the K/V source. This bench once rotated
-   one fixed order from round to round, which changes where a round starts but not who follows
-   whom: kvd's ops came right after Redis's every time. Both versions alternating, three runs
-   each: rotated, kvd wrote at 0.95-0.98x the private array, shuffled per round at 0.99x (the
-   0.87-0.94x of earlier runs, on another VM, were measured rotated).
+What makes such copies differ, and how the bench holds it equal: page size (the output states
+which pages each store really got); alignment (memmove's speed depends on where source and
+destination sit in their 64-byte lines, so every array here starts on a page, as kvd's pool
+does); page faults (a process's first touch of a page faults, so every store is touched before
+timing and the table lists faults per call); and turn order (an op right after Redis's finds the
+caches full of Redis's buffers, so every round runs the ops in a fresh random order and every op
+follows every other equally often). Medians over the rounds.
 
     python -m bench.data_plane [--quick] [--out DIR]
 """
@@ -83,7 +43,6 @@ import os
 import re
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -94,15 +53,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import (
-    Daemon,
-    bench_main,
-    markdown_table,
-    progress,
-    pyplot,
-    save_plot,
-    write_json,
-)
+from bench.common import (Daemon, ServerProcess, bench_main, markdown_table, progress, pyplot, report,
+                          save_plot)
 from kvd.blockcopy import STREAMING_MIN_NBYTES, page_aligned_empty
 from workers.model import PagedKV
 
@@ -168,20 +120,15 @@ def redis_missing() -> str | None:
     return None
 
 
-class RedisServer:
-    """redis-server on a Unix socket in a temp dir, no persistence, and a client; a context
-    manager."""
+class RedisServer(ServerProcess):
+    """redis-server on a Unix socket in a temp dir, no persistence, and a client."""
 
     def __init__(self) -> None:
         import redis
         from redis.connection import Encoder, PythonRespSerializer
 
-        self.directory = tempfile.mkdtemp(prefix="kvdr-", dir="/tmp")
-        self.socket_path = os.path.join(self.directory, "redis.sock")
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", "0", "--unixsocket", self.socket_path,
-             "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
-             "--dir", self.directory], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        directory = tempfile.mkdtemp(prefix="kvdr-", dir="/tmp")
+        self.socket_path = os.path.join(directory, "redis.sock")
         # With hiredis installed, redis-py also packs commands with it, copying every value
         # into one bytes object; its own packer sends large values (the blocks' memoryviews) as
         # they are, which wrote in half the time here. Replies still go through hiredis.
@@ -189,29 +136,21 @@ class RedisServer:
         self.client = redis.Redis(connection_pool=redis.ConnectionPool(
             connection_class=redis.UnixDomainSocketConnection, path=self.socket_path,
             command_packer=PythonRespSerializer(REDIS_BUFFER_CUTOFF, encoder.encode)))
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                self.client.ping()
-                return
-            except redis.exceptions.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
+        super().__init__(["redis-server", "--port", "0", "--unixsocket", self.socket_path,
+                          "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
+                          "--dir", directory], directory, self._answers)
+
+    def _answers(self) -> bool:
+        import redis
+
+        try:
+            return bool(self.client.ping())
+        except redis.exceptions.ConnectionError:
+            return False
 
     def stop(self) -> None:
         self.client.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-    def __enter__(self) -> RedisServer:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.stop()
+        super().stop()
 
 
 class RedisKV:
@@ -260,7 +199,7 @@ def time_rounds(ops: dict[tuple[str, str], Callable[[], Any]], num_rounds: int,
     """Median seconds and minor page faults per call of each op, the ops taking turns.
 
     Each round runs every op once in a fresh random order, so that every op follows every other
-    one equally often (module docstring, point 5).
+    one equally often (module docstring: turn order).
     """
     seconds: dict[tuple[str, str], list[float]] = {key: [] for key in ops}
     faults: dict[tuple[str, str], list[int]] = {key: [] for key in ops}
@@ -301,7 +240,7 @@ def run(quick: bool) -> dict[str, Any]:
         small_pages = small_pages_mapping(client.pool.nbytes)
         results.update(measure(client.pool, small_pages, table, server, num_rounds, rng))
         small_pages.close()  # measure() has returned: no view of it is left
-    return results
+    return {**results, "ratios": ratios(results)}
 
 
 def measure(pool: np.ndarray, small_pages: mmap.mmap, table: list[int],
@@ -434,11 +373,7 @@ def plot(results: dict[str, Any], out: Path) -> Path:
 
 
 def run_bench(quick: bool, out: Path) -> str:
-    results = run(quick)
-    results["ratios"] = ratios(results)
-    write_json(out, "data_plane", results)
-    plot(results, out)
-    return markdown(results)
+    return report(out, "data_plane", run(quick), markdown, plot)
 
 
 if __name__ == "__main__":

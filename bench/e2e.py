@@ -14,10 +14,9 @@ the Mooncake conversation trace (one common system prompt, then per-conversation
 Reported: generated tokens/s over all workers (tokens / the slowest worker's busy seconds), the
 prefill tokens each mode computed, kvd's prefix hit ratio, and the largest difference between the
 two modes' logits (the cached K/V must give the same model output). A run of either mode is about
-a second of work on a VM whose speed drifts by up to 1.5x within minutes, and one pair of runs
-read 1.61x in one full bench and 2.75x in the next; so the modes take turns, REPEATS pairs of
-them (kvd against a fresh daemon each time), and the table is the pair with the median speedup,
-with the range over all pairs beside it.
+a second of work on a VM whose speed drifts within minutes, so the modes take turns, REPEATS pairs
+of them (kvd against a fresh daemon each time), and the table is the pair with the median
+speedup, with the range over all pairs beside it.
 
     python -m bench.e2e [--quick] [--workers N] [--out DIR]
 """
@@ -35,16 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import (
-    ROOT,
-    Daemon,
-    child_env,
-    markdown_table,
-    progress,
-    pyplot,
-    save_plot,
-    write_json,
-)
+from bench.common import (ROOT, Daemon, child_env, markdown_table, progress, pyplot, report,
+                          save_plot)
 
 GEOMETRY = {"layers": 4, "kv_heads": 2, "head_dim": 32, "block_size": 16, "dtype": "float32"}
 FULL_WORKLOAD = {"system_prompts": 3, "system_tokens": 512, "conversations": 3, "turns": 4,
@@ -203,10 +194,7 @@ def plot(results: dict[str, Any], out: Path) -> Path:
 
 
 def run_bench(quick: bool, out: Path, num_workers: int | None = None) -> str:
-    results = run(quick, num_workers or (1 if quick else 2))
-    write_json(out, "e2e", results)
-    plot(results, out)
-    return markdown(results)
+    return report(out, "e2e", run(quick, num_workers or (1 if quick else 2)), markdown, plot)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,15 +27,12 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as `python bench/hit_ratio.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import SHARED_TRACES as TRACES
+from bench.common import write_json
+from kvd.core.policies import DEFAULT_POLICY, POLICIES
+from kvd.replay import DEFAULT_CAPACITIES, MODES, Row, plot_rows, replay_rows
+from kvd.traces import Request, load_trace
 
-from bench.common import write_json  # noqa: E402
-from kvd.core.policies import DEFAULT_POLICY, POLICIES  # noqa: E402
-from kvd.replay import DEFAULT_CAPACITIES, MODES, Row, plot_rows, replay_rows  # noqa: E402
-from kvd.traces import Request, load_trace  # noqa: E402
-
-TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
 TRACE_NAMES = ("synthetic_trace.jsonl", "conversation_trace_part1.jsonl")
 CLASSIC = ("lru", "lfu", "arc", "s3fifo", "sieve")
 TIER_SHARES = (None, "prefill=0.95,decode=0.05", "prefill=0.9,decode=0.1",
@@ -70,25 +67,38 @@ def markdown(trace_name: str, rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def replay_all(out: Path | None, mode: str, capacities: tuple[int, ...] | list[int],
+               num_requests: int | None = None, prefix_tree: bool = True) -> str:
+    """Every policy on both traces (their first `num_requests` requests if given): the tables,
+    and into `out` hit_ratio_<mode>[_flat].md and .json and one PNG per trace."""
+    suffix = "" if prefix_tree else "_flat"
+    tables, all_rows = [], {}
+    for trace_name in TRACE_NAMES:
+        trace = load_trace(TRACES / trace_name)[:num_requests]
+        rows = replay_rows(trace, list(POLICIES), capacities, mode, prefix_tree=prefix_tree)
+        tables.append(markdown(trace_name, rows))
+        all_rows[trace_name] = [asdict(row) for row in rows]
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            plot_rows(rows, str(out / f"hit_ratio_{mode}{suffix}_{trace_name.split('_')[0]}.png"),
+                      f"{trace_name} ({mode} replay)")
+    if out is not None:
+        write_json(out, f"hit_ratio_{mode}{suffix}", all_rows)
+        (out / f"hit_ratio_{mode}{suffix}.md").write_text("\n".join(tables))
+    return "\n".join(tables)
+
+
 def run_bench(quick: bool, out: Path) -> str:
-    """`python -m bench` calls this: both traces in pool mode (quick: the first 300 requests at
-    two capacities), tables and plots into `out`; a skip note when the traces are absent."""
+    """Both traces in pool mode (quick: the first 300 requests at two capacities); a skip note
+    when the traces are absent."""
     title = "## Hit ratio vs capacity, every policy and Belady's OPT (bench/hit_ratio.py)\n\n"
     missing = [name for name in TRACE_NAMES if not (TRACES / name).is_file()]
     if missing:
-        return title + f"Skipped: traces {missing} not found under {TRACES.resolve()}.\n"
-    capacities = (1000, 2000) if quick else DEFAULT_CAPACITIES
-    tables, all_rows = [], {}
-    out.mkdir(parents=True, exist_ok=True)
-    for trace_name in TRACE_NAMES:
-        trace = load_trace(TRACES / trace_name)
-        rows = replay_rows(trace[:300] if quick else trace, list(POLICIES), capacities, "pool")
-        tables.append(markdown(trace_name, rows))
-        all_rows[trace_name] = [asdict(row) for row in rows]
-        plot_rows(rows, str(out / f"hit_ratio_pool_{trace_name.split('_')[0]}.png"),
-                  f"{trace_name} (pool replay)")
-    write_json(out, "hit_ratio_pool", all_rows)
-    return title + "\n".join(tables)
+        return title + (f"Skipped: traces {missing} not found under {TRACES.resolve()} (set "
+                        "KVD_TRACES to their directory).\n")
+    if quick:
+        return title + replay_all(out, "pool", (1000, 2000), num_requests=300)
+    return title + replay_all(out, "pool", DEFAULT_CAPACITIES)
 
 
 def tier_study(out: Path | None) -> None:
@@ -194,7 +204,8 @@ def generalisation(out: Path | None) -> None:
     header = "| trace | mode | " + " | ".join(f"{c // 1000}k" for c in DEFAULT_CAPACITIES) + " |"
     lines = [f"{DEFAULT_POLICY} / best of {', '.join(CLASSIC)} (prefix hit ratio):", "", header,
              "|---|---|" + "---:|" * len(DEFAULT_CAPACITIES)]
-    all_rows: dict = {"capacities": list(DEFAULT_CAPACITIES)}  # trace → mode → policy → ratios
+    # trace → mode → policy → ratios
+    all_rows: dict = {"capacities": list(DEFAULT_CAPACITIES)}
     groups: dict[str, list[float]] = {"halves and samples": [], "2% dropped": [], "generated": []}
     for trace_name, trace in generalisation_traces().items():
         group = "2% dropped" if "dropped" in trace_name else \
@@ -239,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     missing = [name for name in TRACE_NAMES if not (TRACES / name).is_file()]
     if missing:
-        print(f"traces {missing} not found under {TRACES.resolve()}: check out ../shared/traces",
-              file=sys.stderr)
+        print(f"traces {missing} not found under {TRACES.resolve()}: check out ../shared/traces "
+              "or set KVD_TRACES", file=sys.stderr)
         return 2
     if args.tier_study:
         tier_study(args.out)
@@ -248,22 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.generalisation:
         generalisation(args.out)
         return 0
-    suffix = "_flat" if args.no_prefix_tree else ""
-    tables, all_rows = [], {}
-    for trace_name in TRACE_NAMES:
-        rows = replay_rows(load_trace(TRACES / trace_name), list(POLICIES), DEFAULT_CAPACITIES,
-                           args.mode, prefix_tree=not args.no_prefix_tree)
-        tables.append(markdown(trace_name, rows))
-        print(tables[-1], flush=True)
-        all_rows[trace_name] = [asdict(row) for row in rows]
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            plot_rows(rows, str(args.out / f"hit_ratio_{args.mode}{suffix}_"
-                                f"{trace_name.split('_')[0]}.png"),
-                      f"{trace_name} ({args.mode} replay)")
-    if args.out:
-        write_json(args.out, f"hit_ratio_{args.mode}{suffix}", all_rows)
-        (args.out / f"hit_ratio_{args.mode}{suffix}.md").write_text("\n".join(tables))
+    print(replay_all(args.out, args.mode, DEFAULT_CAPACITIES, prefix_tree=not args.no_prefix_tree))
     return 0
 
 

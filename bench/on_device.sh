@@ -53,7 +53,7 @@ shm_free_kib=$(df -k --output=avail /dev/shm | tail -n 1)
 if [ "$shm_free_kib" -lt $((2 * 1024 * 1024)) ]; then
     mount -o remount,size=8G /dev/shm || echo "== /dev/shm is small and could not be enlarged"
 fi
-echo "== $(nproc) CPUs; $(uname -srm); $(python3 -V); $(date -u '+%F %H:%M UTC')"
+echo "== $(nproc) CPUs; $(uname -srm); $(python3 -V)"
 df -h /dev/shm
 python3 -m bench.scaling --workers 1,2,4,8,16 --turns 5 --out "$out"
 python3 -m bench.request_path --out "$out"

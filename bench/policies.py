@@ -17,11 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as `python bench/policies.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import pyplot, save_plot, write_json  # noqa: E402
-from kvd.core.policies import POLICIES, make_policy  # noqa: E402
+from bench.common import pyplot, save_plot, write_json
+from kvd.core.policies import POLICIES, make_policy
 
 SIZES = (1_000, 10_000, 100_000, 1_000_000)
 NUM_ROUNDS = 100_000
@@ -71,8 +68,7 @@ def measure(sizes: tuple[int, ...] = SIZES, num_rounds: int = NUM_ROUNDS,
             naive_size: int = NAIVE_SIZE, num_turns: int = NUM_TURNS) -> dict:
     """Every (policy, size) cell `num_turns` times, a turn going over all cells (sizes in
     alternating order), and each cell's median: measured cell after cell, one policy's sizes
-    seconds apart, the 1M / 1k ratio moved with the VM's speed between them (SIEVE read 0.84
-    and 1.85 in two runs of one build)."""
+    would be seconds apart, and the 1M / 1k ratio would move with the VM's speed between them."""
     turns: dict[str, dict[int, list[float]]] = {
         name: {size: [] for size in sizes} for name in POLICIES}
     for turn in range(num_turns):

@@ -1,4 +1,4 @@
-"""Bench: build time and metadata bytes per block of a BlockPool, and its op throughput.
+"""BlockPool: build time and metadata bytes per block of a pool, and its op throughput.
 
 Goals (issue 2, item 2): a 1,000,000-block pool builds in < 2 s and holds <= 200 bytes of
 metadata per block. Memory is measured for an *empty* pool and for a *full* one, every block
@@ -26,19 +26,15 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from bench.common import printed_section, write_json
-from kvd.core.policies import POLICIES
+from bench.common import (OWNER, ROOT, best_seconds, child_env, digests, markdown_table, progress,
+                          report, write_json)
+from kvd.core.policies import DEFAULT_POLICY, POLICIES
 from kvd.core.pool import BlockPool
 
-ROOT = Path(__file__).resolve().parent.parent
-OWNER = 1
 BATCH_SIZES = (1, 16, 256)
 OPS = ("allocate", "seal", "lookup", "release")
-
-
-def digests(start: int, count: int) -> list[bytes]:
-    """Distinct 16-byte keys, the same object size as kvd.hash_blocks' digests."""
-    return [i.to_bytes(16, "little") for i in range(start, start + count)]
+GOAL_BUILD_S = 2.0
+GOAL_BYTES_PER_BLOCK = 200
 
 
 def fill_cached(pool: BlockPool) -> None:
@@ -48,14 +44,8 @@ def fill_cached(pool: BlockPool) -> None:
     pool.release(block_ids, OWNER)
 
 
-def build_time_s(policy: str, num_blocks: int, repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        pool = BlockPool(num_blocks, policy)
-        best = min(best, time.perf_counter() - start)
-        del pool
-    return best
+def build_time_s(policy: str, num_blocks: int) -> float:
+    return best_seconds(lambda: BlockPool(num_blocks, policy), repeats=3)
 
 
 # ---- memory (each in a fresh child) -----------------------------------------------------------
@@ -96,11 +86,10 @@ def site_name(stat: tracemalloc.Statistic) -> str:
 
 
 def measure_in_child(method: str, policy: str, num_blocks: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
         [sys.executable, "-m", "bench.pool", "--child", method, "--policies", policy,
          "--num-blocks", str(num_blocks)],
-        cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, check=True)
     return json.loads(result.stdout)
 
 
@@ -140,58 +129,54 @@ def throughput(policy: str, batch_size: int, num_blocks: int, blocks_per_run: in
 
 # ---- driver ------------------------------------------------------------------------------------
 def run(policies: list[str], num_blocks: int, ops_blocks: int, ops_per_batch: int) -> dict:
-    results = {"num_blocks": num_blocks, "goal_build_s": 2.0, "goal_bytes_per_block": 200,
-               "ops_pool_blocks": ops_blocks, "policies": {}}
+    results = {"num_blocks": num_blocks, "goal_build_s": GOAL_BUILD_S,
+               "goal_bytes_per_block": GOAL_BYTES_PER_BLOCK, "ops_pool_blocks": ops_blocks,
+               "policies": {}}
     for policy in policies:
-        print(f"[{policy}] build, memory ...", file=sys.stderr, flush=True)
+        progress(f"pool: {policy}, build and memory")
         row = {"build_s": build_time_s(policy, num_blocks),
                "tracemalloc": measure_in_child("tracemalloc", policy, num_blocks),
                "rss": measure_in_child("rss", policy, num_blocks)}
-        print(f"[{policy}] throughput ...", file=sys.stderr, flush=True)
+        progress(f"pool: {policy}, throughput")
         row["ops"] = {str(batch): throughput(policy, batch, ops_blocks, ops_per_batch)
                       for batch in BATCH_SIZES}
         results["policies"][policy] = row
     return results
 
 
-def print_tables(results: dict) -> None:
-    num_blocks = results["num_blocks"]
-    print(f"\nBlockPool, {num_blocks:,} blocks (goals: build < 2 s, <= 200 B/block)")
-    print(f"{'policy':8} {'build s':>8} {'empty B/blk':>12} {'full B/blk':>11} "
-          f"{'empty RSS':>10} {'full RSS':>9}")
-    for policy, row in results["policies"].items():
-        traced, rss = row["tracemalloc"], row["rss"]
-        print(f"{policy:8} {row['build_s']:8.3f} {traced['empty_bytes_per_block']:12.1f} "
-              f"{traced['full_bytes_per_block']:11.1f} {rss['empty_bytes_per_block']:10.1f} "
-              f"{rss['full_bytes_per_block']:9.1f}")
-    print("\nWhere a full pool's bytes go (tracemalloc, bytes per block, >= 1 B):")
-    for policy, row in results["policies"].items():
-        sites = ", ".join(f"{s['site']} {s['bytes_per_block']:.0f}"
-                          for s in row["tracemalloc"]["full_sites"])
-        print(f"  {policy:8} {sites}")
-    print(f"\nOps on a full pool of {results['ops_pool_blocks']:,} cached blocks "
-          "(k blocks/s; calls/s = blocks/s ÷ batch)")
-    print(f"{'policy':8} {'batch':>5} " + " ".join(f"{op:>9}" for op in OPS))
-    for policy, row in results["policies"].items():
-        for batch, ops in row["ops"].items():
-            print(f"{policy:8} {batch:>5} " + " ".join(
-                f"{ops[op]['blocks_per_s'] / 1e3:9.0f}" for op in OPS))
+def markdown(results: dict) -> str:
+    policies = results["policies"]
+    memory = markdown_table(
+        ["policy", "build s", "empty B/block", "full B/block", "empty RSS B/block",
+         "full RSS B/block"],
+        [[policy, f"{row['build_s']:.3f}",
+          *(f"{row[method][f'{state}_bytes_per_block']:.1f}" for method in ("tracemalloc", "rss")
+            for state in ("empty", "full"))] for policy, row in policies.items()])
+    sites = "\n".join(f"- {policy}: " + ", ".join(
+        f"{site['site']} {site['bytes_per_block']:.0f}"
+        for site in row["tracemalloc"]["full_sites"]) for policy, row in policies.items())
+    ops = markdown_table(
+        ["policy", "batch", *(f"{op} k blocks/s" for op in OPS)],
+        [[policy, batch, *(f"{by_op[op]['blocks_per_s'] / 1e3:.0f}" for op in OPS)]
+         for policy, row in policies.items() for batch, by_op in row["ops"].items()])
+    return (f"## BlockPool: build time, bytes per block, op throughput (bench/pool.py)\n\n"
+            f"{results['num_blocks']:,} blocks (goals: build < {results['goal_build_s']} s, "
+            f"<= {results['goal_bytes_per_block']} B/block); bytes from tracemalloc (what "
+            "Python and NumPy asked for) and RSS (what the OS gave):\n\n" + memory
+            + "\nWhere a full pool's bytes go (tracemalloc, bytes per block, >= 1 B):\n\n"
+            + sites + f"\n\nOps on a full pool of {results['ops_pool_blocks']:,} cached blocks "
+            "(every allocation evicts; calls/s = blocks/s ÷ batch):\n\n" + ops)
 
 
 def run_bench(quick: bool, out: Path) -> str:
-    """`python -m bench` calls this: the default policy and LRU at 1M blocks (quick: LRU at 10k
-    blocks); writes pool.json, returns the printed tables as a markdown section."""
-    from kvd.core.policies import DEFAULT_POLICY
-
+    """The default policy and LRU at 1M blocks (quick: LRU at 10k blocks)."""
     policies = ["lru"] if quick else ["lru", DEFAULT_POLICY]
     results = run(policies, 10_000 if quick else 1_000_000, 4096 if quick else 65_536,
                   4096 if quick else 65_536)
-    write_json(out, "pool", results)
-    return printed_section("BlockPool: build time, bytes per block, op throughput "
-                           "(bench/pool.py)", print_tables, results)
+    return report(out, "pool", results, markdown)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-blocks", type=int, default=1_000_000)
     parser.add_argument("--policies", default=",".join(sorted(POLICIES)))
@@ -205,12 +190,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         measure = child_rss if args.child == "rss" else child_tracemalloc
         print(json.dumps(measure(policies[0], args.num_blocks)))
-        return
+        return 0
     results = run(policies, args.num_blocks, args.ops_pool_blocks, args.ops_blocks_per_batch_size)
-    print_tables(results)
+    print(markdown(results))
     if args.out:
         write_json(args.out, "pool", results)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

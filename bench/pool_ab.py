@@ -1,46 +1,46 @@
-"""The pool's batch ops against an earlier revision of the pool and its policies, in one process.
+"""The pool's batch ops against an earlier revision of kvd/core, in one process, in turns.
 
-Separate runs of bench/pool.py on a shared VM drift by more than a pool change is worth (the same
-code read 561k and 829k block-lookups/s in consecutive runs), so this bench loads kvd/core/pool.py,
-kvd/errors.py and kvd/core/policies/ as they were at `--base` (`git show`) as a package of their own
-next to the working tree's (with this build's C loops, kvd/core/_pool.c and kvd/core/policies/_s3fifo.c,
-where the base has the same C source; a base without them runs Python), and drives both pools
-with the same workload in alternating chunks; only their ratio is reported.
+Separate runs of bench/pool.py on a shared VM drift by more than a pool change is worth, so this
+bench imports kvd/core/ (pool and policies) as it was at `--base` (`git show`) as a package of
+its own, `kvd_base.core`, next to the working tree's, and drives both pools with the same
+workload in alternating chunks; only their ratio is reported. Both run this build's compiled
+modules (kvd/native.py loads them by name), so a base whose C sources differ from the working
+tree's is refused. `--base python` instead compares the working tree's pool with its compiled
+loops against the same pool in pure Python (KVD_PURE_PYTHON=1 while the copy is imported and
+built): what the C buys.
 
 Each round at batch B, on a pool large enough that nothing is evicted (bench/pool.py measures
 full pools): allocate B → seal under B fresh 16-byte keys (with --chains, each block's parent
 the one before it, as the page table seals) → release (CACHED) → lookup (pinned again) →
-release, each call timed. `--base python` compares the working tree's C loops with the Python
-loops they stand in for (the pool's and its policy's `_loops` set to None).
+release, each call timed.
 
-    python -m bench.pool_ab [--base REV] [--policy NAME] [--batch B] [--chunks N] [--chains]
+    python -m bench.pool_ab [--base REV|python] [--policy NAME] [--batch B] [--chunks N] [--chains]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
-import importlib.util
+import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import kvd.core.pool
-from bench.common import ROOT, markdown_table
-from bench.pool import OWNER, digests
+from bench.common import OWNER, ROOT, digests, markdown_table
+from kvd import native
 from kvd.core.policies import DEFAULT_POLICY
 
 OPS = ("allocate", "seal", "release", "lookup", "release again")
 ROUNDS_PER_CHUNK = 10
-
-
 BASE_PACKAGE = "kvd_base"
-PURE = "python"  # --base: the working tree with its C loops off (their specification)
+PURE = "python"  # --base: the working tree with its compiled loops off (their specification)
 
 
 def git(*args: str) -> str:
@@ -48,69 +48,63 @@ def git(*args: str) -> str:
                           text=True).stdout
 
 
-def pool_module_at(revision: str, directory: str) -> ModuleType:
-    """kvd.core.pool as committed at `revision` (with that revision's errors and policies), imported
-    as package BASE_PACKAGE from `directory`."""
-    package = Path(directory) / BASE_PACKAGE
-    (package / "policies").mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    paths = ["kvd/core/pool.py", "kvd/errors.py"] + git("ls-tree", "--name-only", revision,
-                                                    "kvd/core/_pool.c", "kvd/core/policies/").split()
-    # Imports of the copied modules go to the base package, any other to kvd itself.
-    copied = {path.removesuffix(".py").removesuffix(".c").replace("/", ".") for path in paths}
-    copied |= {"kvd.core.policies"}
+def core_files(revision: str) -> dict[str, str]:
+    """kvd/core/'s files by path: at `revision`, or in the working tree for PURE."""
+    if revision == PURE:
+        return {str(path.relative_to(ROOT)): path.read_text()
+                for path in sorted((ROOT / "kvd" / "core").rglob("*"))
+                if path.suffix in (".py", ".c", ".h")}
+    paths = git("ls-tree", "-r", "--name-only", revision, "kvd/core/").split()
+    return {path: git("show", f"{revision}:{path}") for path in paths}
 
-    def rebase(match: re.Match) -> str:  # from (package) import (name)
-        if match[1] in copied or f"{match[1]}.{match[2]}" in copied:
-            return match[0].replace("kvd", BASE_PACKAGE, 1)
-        return match[0]
 
-    for path in paths:
-        source = git("show", f"{revision}:{path}")
-        if path.endswith(".c"):
-            copy_extension(revision, path, source, package)
+@contextlib.contextmanager
+def pure_python(is_pure: bool) -> Iterator[None]:
+    """KVD_PURE_PYTHON=1 for the block, where asked (kvd/native.py reads it at each load)."""
+    saved = os.environ.get(native.PURE_PYTHON_ENV)
+    if is_pure:
+        os.environ[native.PURE_PYTHON_ENV] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(native.PURE_PYTHON_ENV, None)
+        else:
+            os.environ[native.PURE_PYTHON_ENV] = saved
+
+
+def base_pool(revision: str, directory: str, num_blocks: int, policy: str) -> Any:
+    """A BlockPool of kvd/core as at `revision`, imported as BASE_PACKAGE.core from
+    `directory` (imports of kvd.core rewritten to it; any other stays kvd's)."""
+    files = core_files(revision)
+    for path, source in files.items():
+        if path.endswith((".c", ".h")) and revision != PURE:
+            if not (ROOT / path).is_file() or (ROOT / path).read_text() != source:
+                raise SystemExit(f"{path} at {revision} differs from the working tree's: both "
+                                 "pools run this build's compiled modules, so compare against "
+                                 "a revision with the same C sources")
             continue
-        source = re.sub(r"from (kvd(?:\.[\w.]+)?) import (\w+)?", rebase, source)
-        (package / Path(path).relative_to("kvd")).write_text(source)
+        target = Path(directory) / BASE_PACKAGE / Path(path).relative_to("kvd")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(re.sub(r"\b(from|import) kvd\.core\b", rf"\1 {BASE_PACKAGE}.core",
+                                 source))
+    (Path(directory) / BASE_PACKAGE / "__init__.py").write_text("")
     sys.path.insert(0, directory)
     try:
-        return importlib.import_module(f"{BASE_PACKAGE}.pool")
+        with pure_python(revision == PURE):
+            return importlib.import_module(f"{BASE_PACKAGE}.core.pool").BlockPool(num_blocks,
+                                                                                  policy)
     finally:
         sys.path.remove(directory)
-
-
-def copy_extension(revision: str, path: str, source: str, package: Path) -> None:
-    """The base's C loops are this build's when their source is the same: the built module is
-    copied into the base package (its init function's name is all an import needs). A base
-    whose C differs is refused: this bench does not compile."""
-    name = path.removesuffix(".c").replace("/", ".")
-    if source != (ROOT / path).read_text():
-        raise SystemExit(f"{path} at {revision} differs from the working tree's: pool_ab cannot "
-                         "build it; compare against a revision with the same C source")
-    spec = importlib.util.find_spec(name)
-    if spec is None or spec.origin is None:
-        raise SystemExit(f"{name} is not built here: `pip install -e .` first")
-    shutil.copy(spec.origin, package / Path(spec.origin).relative_to(ROOT / "kvd"))
-
-
-def without_c_loops(pool: kvd.core.pool.BlockPool) -> kvd.core.pool.BlockPool:
-    pool._loops = None
-    for policy in [pool.policy, *getattr(pool.policy, "policies", ())]:  # (a tiered one's tiers)
-        if hasattr(policy, "_loops"):
-            policy._loops = None
-    return pool
 
 
 def run(base: str, policy: str, batch: int, num_chunks: int,
         chains: bool) -> dict[str, dict[str, float]]:
     num_blocks = 1 << max(16, (4 * batch).bit_length())
-    if base == PURE:
-        pools = {"base": without_c_loops(kvd.core.pool.BlockPool(num_blocks, policy))}
-    else:
-        with tempfile.TemporaryDirectory(prefix="kvd-pool-ab-") as directory:
-            pools = {"base": pool_module_at(base, directory).BlockPool(num_blocks, policy)}
-    pools["working tree"] = kvd.core.pool.BlockPool(num_blocks, policy)
-    samples = {name: {op: [] for op in OPS} for name in pools}
+    with tempfile.TemporaryDirectory(prefix="kvd-pool-ab-") as directory:
+        pools = {"base": base_pool(base, directory, num_blocks, policy),
+                 "working tree": kvd.core.pool.BlockPool(num_blocks, policy)}
+    samples: dict[str, dict[str, list[int]]] = {name: {op: [] for op in OPS} for name in pools}
     clock, key = time.perf_counter_ns, 0
     for chunk in range(num_chunks + 1):  # the first chunk warms up and is dropped
         for name, pool in pools.items():
@@ -139,8 +133,8 @@ def run(base: str, policy: str, batch: int, num_chunks: int,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="HEAD",
-                        help=f"git revision of kvd/core/pool.py to compare, or {PURE!r}: the working "
-                             "tree's pool with its C loops off")
+                        help=f"git revision of kvd/core/ to compare, or {PURE!r}: the working "
+                             "tree's pool in pure Python")
     parser.add_argument("--policy", default=DEFAULT_POLICY)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--chunks", type=int, default=40)

@@ -1,25 +1,24 @@
 """Request path: what one batch-1 request costs kvd beyond the echo floor, in one process.
 
-Cross-process round trips on a small VM swing with where the scheduler puts the two processes
-(one vCPU or two, a halted vCPU to wake) and with how cold each one's caches are after the
-switch; bench/control_plane.py reports those as measured. This bench takes the scheduler out:
-one process drives both ends of a real Unix socket and runs the daemon's loop iteration inline
-(`Daemon.serve_once`), so a request's cost is path length only — the kernel's socket work plus
-the Python on both sides — and repeats to a fraction of a microsecond. The echo floor is the
-same selectors echo server as in bench/control_plane.py, driven the same way over a socketpair.
+Cross-process round trips swing with where the scheduler puts the two processes and with how
+cold each one's caches are after the switch. This bench takes the scheduler out: one process
+drives both ends of a real Unix socket and runs the daemon's loop iteration inline
+(`Daemon.serve_once`), so a request's cost is path length only (the kernel's socket work plus the
+Python on both sides) and repeats to a fraction of a microsecond. The echo floor is
+bench/common.py's echo answering over a socketpair, served inline the same way.
 
-It reports, per op of the control plane's round (alloc, seal, release, lookup, release):
-  * the in-process round trip, kvd (client encode → send → serve_once → recv → decode) next to
-    the echo floor with the same request body, medians of interleaved chunks;
+Per op of the control plane's round (alloc, seal, release, lookup, release), medians of
+interleaved chunks:
+  * the round trip, kvd (client encode → send → serve_once → recv → decode) next to the floor
+    with the same request body;
   * the same kvd round trip with its frame codec in pure Python (`kvd.protocol.use_c(False)`),
-    in the same interleaving: what kvd/protocol/_wire.c saves;
-  * the server's side of those same round trips alone: kvd's `serve_once` (select, recv,
-    decode, handle, encode, send) and the echo server's loop iteration. A daemon that runs flat
-    out on a core of its own serves 1 / (its time per request), so over the round's mix of ops
-    the floor's server time over kvd's is what bench/scaling.py's ratio tends to on a host with
-    a core per worker: a steady, scheduler-free view of that goal (>= 0.8x at 8 workers);
-  * the stages of kvd's handling of that request (decode: unpack + parse, handle: the Service's
-    validation and the pool, encode), each timed alone on the same requests, with the C codec.
+    where kvd/protocol/_wire.c is built: what the C codec saves;
+  * the server's side alone: kvd's `serve_once` and the echo's loop iteration. A daemon running
+    flat out on a core of its own serves 1 / (its time per request), so over the round the
+    floor's server time over kvd's is what bench/scaling.py's ratio tends to with a core per
+    worker: a scheduler-free view of that goal (>= 0.8x at 8 workers);
+  * kvd's handling stages (decode: unpack + parse; handle: the Service's validation and the
+    pool; encode), each timed alone on the same requests.
 
     python -m bench.request_path [--quick] [--out DIR]
 """
@@ -29,6 +28,7 @@ from __future__ import annotations
 import os
 import selectors
 import socket
+import statistics
 import struct
 import sys
 import tempfile
@@ -39,15 +39,16 @@ from typing import Any
 
 import msgpack
 
-from bench.common import TINY_GEOMETRY, bench_main, markdown_table, progress, write_json
-from bench.control_plane import NUM_BLOCKS, OPS, digests, echo_replies
+from bench.common import (bench_main, digests, echo_replies, geometry_of, markdown_table, progress,
+                          report)
+from bench.control_plane import NUM_BLOCKS, OPS
 from kvd import protocol
-from kvd.server.daemon import Daemon
-from kvd.geometry import Geometry
 from kvd.protocol import PROTOCOL_VERSION, FrameDecoder, FrameEncoder, decode_reply, decode_request
 from kvd.runtime import DaemonPaths
+from kvd.server.daemon import Daemon
 
 ROUND = ("alloc", "seal", "release", "lookup", "release")  # the control plane's round
+STAGES = ("decode", "handle", "encode")
 CHUNK = 100  # rounds per turn when kvd and the floor alternate
 
 
@@ -60,11 +61,7 @@ class InlineDaemon:
                             lock_path=os.path.join(directory, "kvd.lock"),
                             pid_path=os.path.join(directory, "kvd.pid"),
                             segment_name=f"/kvd-{os.getuid()}-{name}")
-        geometry = Geometry(num_blocks=NUM_BLOCKS, num_layers=TINY_GEOMETRY["layers"],
-                            block_size=TINY_GEOMETRY["block_size"],
-                            num_kv_heads=TINY_GEOMETRY["kv_heads"],
-                            head_dim=TINY_GEOMETRY["head_dim"], dtype=TINY_GEOMETRY["dtype"])
-        self.daemon = Daemon(paths, geometry, state_dir=directory, journal=False)
+        self.daemon = Daemon(paths, geometry_of(NUM_BLOCKS), state_dir=directory, journal=False)
         self.daemon.start()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(paths.socket_path)
@@ -125,12 +122,6 @@ class InlineEcho:
         self.sock.close()
 
 
-def constant_answer(session: Any, op: str, args: dict[str, Any]) -> Any:
-    """What the daemon's handler answers each op of the round, shaped as the real answers, with
-    no validation and no pool: the daemon's own path (select, recv, decode, encode, send) alone."""
-    return None if op == "release" else [True] if op == "seal" else [0]
-
-
 def round_args(hashes: list[bytes], block_ids: list[int]) -> list[tuple[str, dict[str, Any]]]:
     return [("alloc", {"num_blocks": 1}), ("seal", {"block_ids": block_ids, "hashes": hashes}),
             ("release", {"block_ids": block_ids}), ("lookup", {"hashes": hashes}),
@@ -153,7 +144,8 @@ def timed_round(server: Any, hashes: list[bytes], samples: dict[str, list[int]],
 
 def stage_times(inline: InlineDaemon, hashes: list[bytes], samples: dict[str, list[int]]) -> None:
     """Decode, handle and encode of one round's requests, each timed alone (a profile)."""
-    clock, service, encoder = time.perf_counter_ns, inline.daemon.service, FrameEncoder()
+    service: Any = inline.daemon.service
+    clock, encoder = time.perf_counter_ns, FrameEncoder()
     session = next(iter(service.sessions.values()))
     block_ids: list[int] = []
     for op, args in round_args(hashes, block_ids):
@@ -167,84 +159,67 @@ def stage_times(inline: InlineDaemon, hashes: list[bytes], samples: dict[str, li
         encoded = clock()
         if op == "alloc":
             block_ids[:] = result
-        for stage, nanoseconds in (("decode", decoded - start), ("handle", handled - decoded),
-                                   ("encode", encoded - handled)):
+        for stage, nanoseconds in zip(STAGES, (decoded - start, handled - decoded,
+                                               encoded - handled)):
             samples[f"{op}:{stage}"].append(nanoseconds)
 
 
-def median_us(samples: list[int]) -> float:
-    return sorted(samples)[len(samples) // 2] / 1e3
+def by_op() -> dict[str, list[int]]:
+    return {op: [] for op in OPS}
 
 
 def run(quick: bool) -> dict[str, Any]:
     num_chunks = 2 if quick else 30
-    kvd_samples: dict[str, list[int]] = {op: [] for op in OPS}
-    pure_samples: dict[str, list[int]] = {op: [] for op in OPS}
-    echo_samples: dict[str, list[int]] = {op: [] for op in OPS}
-    # the server's side alone (kvd's serve_once, the echo's loop iteration), C codec turns only
-    kvd_server: dict[str, list[int]] = {op: [] for op in OPS}
-    echo_server: dict[str, list[int]] = {op: [] for op in OPS}
-    # kvd's server side again with its handler answering constants: the framework's share
-    stub_server: dict[str, list[int]] = {op: [] for op in OPS}
-    has_c = protocol.use_c(True)  # (off where kvd/protocol/_wire.c was not built: no pure column then)
-    stage_samples: dict[str, list[int]] = {f"{op}:{stage}": [] for op in OPS
-                                           for stage in ("decode", "handle", "encode")}
+    # (samples, the server side's samples) per side; "pure": kvd with the codec in Python
+    sides = {side: (by_op(), by_op()) for side in ("kvd", "echo", "pure")}
+    has_c = hasattr(protocol, "use_c") and protocol.use_c(True)  # (no pure turn without C)
+    stage_samples: dict[str, list[int]] = {f"{op}:{stage}": [] for op in OPS for stage in STAGES}
     key = 0
     with tempfile.TemporaryDirectory(prefix="kvd-path-") as directory:
         inline, echo = InlineDaemon(directory), InlineEcho()
-        handle = inline.daemon._handle
-        # (server, samples, server-side samples, whether its turn runs with the C codec, and
-        # the daemon's handler for it)
-        servers = [(inline, kvd_samples, kvd_server, True, handle),
-                   (echo, echo_samples, echo_server, True, handle),
-                   (inline, {op: [] for op in OPS}, stub_server, True, constant_answer)]
-        if has_c:
-            servers.append((inline, pure_samples, {op: [] for op in OPS}, False, handle))
+        turns = [("kvd", inline), ("echo", echo)] + ([("pure", inline)] if has_c else [])
         try:
             for chunk in range(num_chunks + 1):  # the first chunk warms up and is dropped
                 progress(f"request path: chunk {chunk + 1} of {num_chunks + 1}")
-                keep = chunk > 0
-                for server, samples, server_samples, with_c, handler in servers:
-                    protocol.use_c(with_c)
-                    inline.daemon._handle = handler
+                for side, server in turns:
+                    samples, server_samples = sides[side] if chunk else (by_op(), by_op())
+                    if side == "pure":
+                        protocol.use_c(False)
                     for _ in range(CHUNK):
                         key += 1
-                        timed_round(server, digests(key, 1),
-                                    samples if keep else {op: [] for op in OPS},
-                                    server_samples if keep else {op: [] for op in OPS})
-                    protocol.use_c(has_c)
-                    inline.daemon._handle = handle
+                        timed_round(server, digests(key, 1), samples, server_samples)
+                    if side == "pure":
+                        protocol.use_c(True)
                 for _ in range(CHUNK):
                     key += 1
                     stage_times(inline, digests(key, 1),
-                                stage_samples if keep else {k: [] for k in stage_samples})
+                                stage_samples if chunk else {k: [] for k in stage_samples})
         finally:
             echo.close()
             inline.close()
-    rows = {}
+    def median_us(samples: list[int]) -> float:
+        return statistics.median(samples) / 1e3
+
+    rows: dict[str, dict[str, Any]] = {}
     for op in OPS:
-        mine, floor = median_us(kvd_samples[op]), median_us(echo_samples[op])
-        mine_server, floor_server = median_us(kvd_server[op]), median_us(echo_server[op])
+        (mine, mine_server), (floor, floor_server) = (
+            (median_us(samples[op]), median_us(server_samples[op]))
+            for samples, server_samples in (sides["kvd"], sides["echo"]))
         rows[op] = {"kvd_us": mine, "echo_us": floor, "ratio": mine / floor,
                     "kvd_server_us": mine_server, "echo_server_us": floor_server,
                     "server_ratio": floor_server / mine_server,
-                    "constant_handler_server_us": median_us(stub_server[op]),
-                    "pure_python_us": median_us(pure_samples[op]) if has_c else None,
-                    **{stage: median_us(stage_samples[f"{op}:{stage}"])
-                       for stage in ("decode", "handle", "encode")}}
-    # What scaling's saturated servers tend to (bench/scaling.py): the floor's server time per
-    # request over kvd's, over the round's mix of ops.
+                    "pure_python_us": median_us(sides["pure"][0][op]) if has_c else None,
+                    **{stage: median_us(stage_samples[f"{op}:{stage}"]) for stage in STAGES}}
+
     def per_round(field: str) -> float:
         return sum(rows[op][field] for op in ROUND)
-    round_server_ratio = per_round("echo_server_us") / per_round("kvd_server_us")
     return {"num_blocks": NUM_BLOCKS, "rounds": num_chunks * CHUNK, "has_c": has_c, "ops": rows,
-            "round_server_ratio": round_server_ratio,
-            # kvd's server time over the floor's with the handler answering constants, and the
-            # handler's share of a request in the daemon (µs)
-            "round_constant_handler_ratio": (per_round("constant_handler_server_us")
-                                             / per_round("echo_server_us")),
-            "handler_us_per_request": (per_round("kvd_server_us")
-                                       - per_round("constant_handler_server_us")) / len(ROUND)}
+            # what scaling's saturated servers tend to (bench/scaling.py)
+            "round_server_ratio": per_round("echo_server_us") / per_round("kvd_server_us"),
+            # kvd's server side less its handler, against the floor's: the daemon's own path
+            "round_path_ratio": ((per_round("kvd_server_us") - per_round("handle"))
+                                 / per_round("echo_server_us")),
+            "handler_us_per_request": per_round("handle") / len(ROUND)}
 
 
 def _pure_cells(row: dict[str, Any]) -> list[str]:
@@ -258,37 +233,25 @@ def markdown(results: dict[str, Any]) -> str:
     rows = [[op, f"{row['kvd_us']:.2f}", f"{row['echo_us']:.2f}", f"{row['ratio']:.2f}x",
              f"{row['kvd_us'] - row['echo_us']:.2f}", *_pure_cells(row),
              f"{row['kvd_server_us']:.2f}", f"{row['echo_server_us']:.2f}",
-             f"{row['server_ratio']:.2f}x", f"{row['decode']:.2f}", f"{row['handle']:.2f}",
-             f"{row['encode']:.2f}"]
+             f"{row['server_ratio']:.2f}x", *(f"{row[stage]:.2f}" for stage in STAGES)]
             for op, row in results["ops"].items()]
     table = markdown_table(["op", "kvd µs", "echo µs", "kvd / floor", "kvd - floor µs",
                             "pure-Python codec µs", "C saves µs", "kvd server µs",
                             "echo server µs", "floor / kvd server", "decode µs", "handle µs",
                             "encode µs"], rows)
     return ("## Request path in one process, no scheduler (bench/request_path.py)\n\n"
-            f"One process drives both ends of a real Unix socket and runs the daemon's loop "
-            f"iteration inline, so these are path lengths (kernel socket work + Python on both "
-            f"sides), steady to a fraction of a µs; batch 1, {results['rounds']:,} rounds, "
-            f"medians. The pure-Python column is the same kvd round trip with the frame codec "
-            f"in Python (kvd.protocol.use_c(False)), interleaved with the others: what "
-            f"kvd/protocol/_wire.c saves. The stages are kvd's decode (unpack + parse), handle "
-            f"(validation + pool) and encode of the same requests, each timed alone. The server "
-            f"columns time the server's side of the same round trips alone (kvd's serve_once, "
-            f"the echo server's loop iteration): over a round (alloc, seal, release, lookup, "
-            f"release) the floor's server time is {results['round_server_ratio']:.2f}x kvd's, "
-            f"what a saturated daemon's throughput tends to against the floor's when every "
-            f"worker has a core (bench/scaling.py's goal: >= 0.8x at 8 workers). With the "
-            f"daemon's handler answering constants (no validation, no pool), kvd's server time "
-            f"is {results['round_constant_handler_ratio']:.2f}x the floor's over the round: the "
-            f"handler takes {results['handler_us_per_request']:.2f} µs of a request in the "
-            f"daemon, the rest is the daemon's own path.\n\n"
+            f"Batch 1, {results['rounds']:,} rounds, medians. Over a round (alloc, seal, "
+            f"release, lookup, release) the floor's server time is "
+            f"**{results['round_server_ratio']:.2f}x** kvd's: what a saturated daemon's "
+            f"throughput tends to against the floor's when every worker has a core "
+            f"(bench/scaling.py's goal: >= 0.8x at 8 workers). The handler (validation and "
+            f"pool) takes {results['handler_us_per_request']:.2f} µs of a request; without it, "
+            f"kvd's server side is {results['round_path_ratio']:.2f}x the floor's.\n\n"
             + table + "\n")
 
 
 def run_bench(quick: bool, out: Path) -> str:
-    results = run(quick)
-    write_json(out, "request_path", results)
-    return markdown(results)
+    return report(out, "request_path", run(quick), markdown)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,21 @@
 """Scaling with workers: aggregate requests/s of N client processes, kvd vs the echo floor.
 
 N worker processes each open their own session and repeat the control plane's batch-1 cycle
-(alloc, seal, release, lookup, release) as fast as they can for a fixed time; the echo floor of
-bench/control_plane.py gets the same N clients sending the same request bodies. The daemon is one
+(alloc, seal, release, lookup, release) as fast as they can for a fixed time; the echo floor
+(bench/common.py) gets the same N clients sending the same request bodies. The daemon is one
 thread, as is the echo server, so both saturate one core: the ratio says how much of a core kvd
-spends per request beyond the floor's framing and syscalls. The worker counts are an argument
-(`--workers 1,2,4,8,16`), so the same script runs on a 16-core host, where the goal is >= 0.8x
-the floor's throughput at 8 workers. The default goes up to the host's core count (at least 4).
+spends per request beyond the floor's framing and syscalls. The goal (issue 5) is >= 0.8x the
+floor's throughput at 8 workers on a 16-core host (`--workers 1,2,4,8,16`); the default goes up to
+the host's core count (at least 4).
 
-Each point also reads both servers' CPU time (/proc/PID/schedstat) and reports CPU per request
-and how busy each server was. A server running flat out on a core of its own serves
-1 / (its CPU per request), so once workers outnumber what either server can answer, kvd / floor
-tends to the floor's CPU per request over kvd's: the last column, measurable on a small host
-too (where it is inflated alike for both by sharing cores with the clients).
+Placement is held equal: either server is pinned to the last CPU this process may use and the
+workers to the others (given two CPUs), so kvd and the floor get a core of their own, as on the
+16-core host, and the same one. Each point also reads the server's CPU time and reports CPU per
+request: a server running flat out serves 1 / (its CPU per request), so once workers outnumber
+what either server can answer, kvd / floor tends to the floor's CPU per request over kvd's.
 
 Each point takes turns: kvd and the floor back to back, three times (which goes first
-alternating), and reports the medians; a single pair of runs swung with the VM (the 4-worker
-ratio read 1.14x and 0.75x in two full runs of one build).
+alternating), and reports the medians; a single pair of runs swings with the VM.
 
     python -m bench.scaling [--quick] [--workers 1,2,4] [--duration-s 1] [--turns 3] [--out DIR]
 """
@@ -28,12 +27,13 @@ import itertools
 import multiprocessing
 import os
 import sys
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, Daemon, markdown_table, progress, pyplot, save_plot, write_json
-from bench.control_plane import EchoClient, EchoServer, cpu_ns
+from bench.common import (ROOT, Daemon, EchoClient, EchoServer, cpu_ns, markdown_table, pinned,
+                          progress, pyplot, report, save_plot)
 
 # Every kvd cycle leaves one more block cached (its keys are fresh), so the pool must outlast
 # the run for nothing to be evicted (eviction is bench/pool.py's): 2-core runs cache ~70k
@@ -64,9 +64,19 @@ def echo_cycle(echo: EchoClient, key: bytes, block_ids: list[int]) -> None:
     echo.call("release", {"block_ids": block_ids})
 
 
+def server_and_client_cpus() -> tuple[int | None, set[int]]:
+    """The CPU either server is pinned to (None: only one CPU, nothing pinned) and the workers'."""
+    cpus = sorted(os.sched_getaffinity(os.getpid()))
+    if len(cpus) < 2:
+        return None, set(cpus)
+    return cpus[-1], set(cpus[:-1])
+
+
 def worker(kind: str, socket_path: str, first_key: int, duration_s: float,
            start: Any, results: Any) -> None:
     """Run cycles until `duration_s` after `start` is set; put (requests, seconds) on `results`."""
+    os.sched_setaffinity(0, server_and_client_cpus()[1])
+    client: Any
     if kind == "kvd":
         import kvd
         client = kvd.connect(socket_path, reconnect_timeout_s=0)
@@ -111,12 +121,6 @@ def measure(kind: str, socket_path: str, server_pid: int, num_workers: int, dura
             "server_busy": server_ns / 1e9 / wall_s}
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 def run(worker_counts: list[int], duration_s: float, num_turns: int) -> dict[str, Any]:
     """Each point is `num_turns` turns of kvd and the floor back to back (which goes first
     alternates), `duration_s` each: a VM's drift within the point then moves both sides of a
@@ -126,7 +130,10 @@ def run(worker_counts: list[int], duration_s: float, num_turns: int) -> dict[str
                                "turns": num_turns, "goal_ratio_at_8_workers": GOAL_RATIO_AT_8,
                                "rows": []}
     run_indices = itertools.count()
-    with EchoServer() as echo, Daemon(NUM_BLOCKS) as daemon, daemon.connect() as watcher:
+    server_cpu = results["server_cpu"] = server_and_client_cpus()[0]
+    with EchoServer() as echo, Daemon(NUM_BLOCKS) as daemon, daemon.connect() as watcher, \
+            pinned({} if server_cpu is None else {daemon.proc.pid: server_cpu,
+                                                  echo.proc.pid: server_cpu}):
         servers = {"kvd": (daemon.socket_path, daemon.proc.pid),
                    "echo": (echo.socket_path, echo.proc.pid)}
         for num_workers in worker_counts:
@@ -145,10 +152,10 @@ def run(worker_counts: list[int], duration_s: float, num_turns: int) -> dict[str
                          for t in turns]
             results["rows"].append({
                 "workers": num_workers,
-                **{kind: {field: median([t[kind][field] for t in turns])
+                **{kind: {field: statistics.median([t[kind][field] for t in turns])
                           for field in turns[0][kind]} for kind in ("kvd", "echo")},
-                "ratio": median(ratios), "turn_ratios": ratios,
-                "saturated_ratio": median(saturated), "turn_saturated_ratios": saturated,
+                "ratio": statistics.median(ratios), "turn_ratios": ratios,
+                "saturated_ratio": statistics.median(saturated), "turn_saturated_ratios": saturated,
                 "evictions": watcher.stats()["evictions"] - evictions_before})
     return results
 
@@ -174,8 +181,11 @@ def markdown(results: dict[str, Any]) -> str:
             f"{results['duration_s']} s each, medians over the turns (the ratios' range in "
             "parentheses). On a 16-core host the goal is >= "
             f"{GOAL_RATIO_AT_8}x the floor at 8 workers (`python -m bench.scaling --workers "
-            "1,2,4,8,16`); with fewer cores than workers + 1, client and server share CPUs and "
-            "the ratio mostly reflects per-request CPU on both sides. Server CPU per request "
+            "1,2,4,8,16`). "
+            + ("Nothing pinned (one CPU). " if results["server_cpu"] is None else
+               f"Either server pinned to CPU {results['server_cpu']}, the workers to the other"
+               f"{'s' if results['cpus'] > 2 else ''}. ")
+            + "Server CPU per request "
             "(from /proc/PID/schedstat over each point) is what bounds a saturated server: "
             "once both run flat out on cores of their own, kvd / floor tends to the last "
             "column, the floor's CPU per request over kvd's. "
@@ -227,9 +237,7 @@ def run_bench(quick: bool, out: Path, worker_counts: list[int] | None = None,
               duration_s: float | None = None, num_turns: int | None = None) -> str:
     counts = worker_counts or ([1, 2] if quick else default_worker_counts())
     results = run(counts, duration_s or (0.3 if quick else 1.0), num_turns or (1 if quick else 3))
-    write_json(out, "scaling", results)
-    plot(results, out)
-    return markdown(results)
+    return report(out, "scaling", results, markdown, plot)
 
 
 def main(argv: list[str] | None = None) -> int:

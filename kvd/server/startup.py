@@ -47,7 +47,7 @@ from types import FrameType
 import numpy as np
 
 from kvd.core.policies import make_policy
-from kvd.core.pool import BlockPool, IndexRows
+from kvd.core.pool import BlockPool
 from kvd.errors import BadArgsError, DeniedError, InUseError, KvdError
 from kvd.geometry import Geometry
 from kvd.runtime import SHM_DIR, DaemonPaths
@@ -206,37 +206,42 @@ def _open_pool(config: DaemonConfig, journal: Journal | None, stop: Stop,
                undo: ExitStack) -> tuple[Segment, BlockPool, int]:
     """Recover the previous segment and index if asked and valid, else start clean: (segment,
     pool, blocks restored); the segment's release goes on `undo` once it is the one served."""
-    recovered = _attach_recoverable(config, journal) if config.recover else None
-    if recovered is not None:
-        segment, rows = recovered
-        # From here a failed start leaves the crashed daemon's segment and journal as it found
-        # them, for the next --recover: a bad flag must not cost the cache.
-        stop.keep = True
-        pool = _new_pool(config, segment, journal)
-        failpoint("during-recovery")
-        try:
-            num_restored = pool.restore(rows)
-        except BadArgsError as exc:  # a journal the pool cannot take: never map it
-            log.warning("recovery: %s; starting clean", exc)
-            stop.keep = False  # (the old mapping goes with the pool)
-        else:
-            bump_free_generations(pool, segment.generations)
-            log.info("recovered segment %s: %d of %d journaled blocks restored from %s",
-                     segment.name, num_restored, len(rows.block_ids),
-                     journal.path if journal is not None else None)
-            undo.callback(_release_segment, segment, stop)
-            return segment, pool, num_restored
+    if config.recover:
+        recovered = _recover(config, journal, stop, undo)
+        if recovered is not None:
+            return recovered
     segment = _create_segment(config, journal)
     undo.callback(_release_segment, segment, stop)
     return segment, _new_pool(config, segment, journal), 0
 
 
-def _attach_recoverable(config: DaemonConfig,
-                        journal: Journal | None) -> tuple[Segment, IndexRows] | None:
+def _recover(config: DaemonConfig, journal: Journal | None, stop: Stop,
+             undo: ExitStack) -> tuple[Segment, BlockPool, int] | None:
+    """The previous segment, its journaled blocks restored into a new pool, or None (logged) to
+    start clean."""
     if journal is None:
         log.warning("recovery: --recover needs the journal; starting clean")
         return None
-    return attach_recoverable(config.paths.segment_name, config.geometry, journal)
+    recovered = attach_recoverable(config.paths.segment_name, config.geometry, journal)
+    if recovered is None:
+        return None
+    segment, rows = recovered
+    # From here a failed start leaves the crashed daemon's segment and journal as it found them,
+    # for the next --recover: a bad flag must not cost the cache.
+    stop.keep = True
+    pool = _new_pool(config, segment, journal)
+    failpoint("during-recovery")
+    try:
+        num_restored = pool.restore(rows)
+    except BadArgsError as exc:  # a journal the pool cannot take: never map it
+        log.warning("recovery: %s; starting clean", exc)
+        stop.keep = False  # (the old mapping goes with the pool)
+        return None
+    bump_free_generations(pool, segment.generations)
+    log.info("recovered segment %s: %d of %d journaled blocks restored from %s",
+             segment.name, num_restored, len(rows.block_ids), journal.path)
+    undo.callback(_release_segment, segment, stop)
+    return segment, pool, num_restored
 
 
 def _new_pool(config: DaemonConfig, segment: Segment, journal: Journal | None) -> BlockPool:

@@ -10,10 +10,10 @@ with `selectors`:
     listening socket   accept → SO_PEERCRED: another uid is refused with DENIED; otherwise a
                        session is opened and the peer's pidfd is watched
     client socket      recv → FrameDecoder (a chunk of whole frames is decoded in C at once,
-                       kvd/protocol/_wire.c; any other goes frame by frame through the Python path) →
-                       for each request: Service.handle; the replies of one recv go out in one
-                       send -- at once, or after the iteration's journal commit if a seal
-                       awaits it (group commit)
+                       kvd/protocol/_wire.c; any other goes frame by frame through the Python
+                       path) → for each request: Service.handle; the replies of one recv go out
+                       in one send -- at once, or after the iteration's journal commit if a
+                       seal awaits it (group commit)
     peer pidfd         readable when the peer process dies — even if a forked child still holds
                        the socket, so EOF would come late or never — closes the session at once
     signal wakeup      SIGTERM/SIGINT (set_wakeup_fd) stop the loop
@@ -23,8 +23,8 @@ commit: the seals of every client served in the iteration share it), then every 
 out, then the idle work no reply waits for: the journal's upkeep (kvd/server/journal.py: compaction
 steps and WAL checkpoints) and, on a full pool, choosing the next victim ahead of the next
 allocation (kvd/core/pool.py). The commit does not wait for requests that arrive meanwhile: one
-more non-blocking select to let them join it costs seal throughput with several clients
-(bench/recovery.py's commit table).
+more non-blocking select to let them join it cost more seal throughput than the commits it
+saved (4 clients at batch 16, bench/recovery.py).
 
 A connection is closed for framing errors (the byte stream is unsynchronised), when its peer
 dies, and when it lets more than MAX_OUTPUT_NBYTES of replies pile up unread. Closing releases the
@@ -305,8 +305,8 @@ class Server:
 
         A connection's replies are held (`_read`) while seals of this iteration are not yet
         committed, so that no client hears "sealed" before the seal is durable, and no reply
-        reveals a seal that a crash could still take back (see kvd/server/journal.py for why evictions
-        need not force a commit).
+        reveals a seal that a crash could still take back (see kvd/server/journal.py for why
+        evictions need not force a commit).
         """
         failure, journal = None, self.journal
         if journal is not None:

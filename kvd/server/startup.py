@@ -10,8 +10,8 @@ failure anywhere unwinds exactly what was made, and a stopping loop unwinds the 
                 second daemon of the same name is refused having changed nothing. Released last,
                 so the name is free only once everything else is gone.
     signals     SIGTERM/SIGINT request the stop and wake the selector (set_wakeup_fd on a
-                socketpair). First, so that a signal during startup still ends in the cleanup:
-                the loop sees the request before it serves anyone.
+                socketpair). Right after the lock, so that a signal during startup still ends
+                in the cleanup: the loop sees the request before it serves anyone.
     selector    the loop's.
     (pidfile)   its removal: under the lock, a pidfile there is ours or a dead daemon's.
     journal     unless --no-journal; opened before the segment, which recovery checks it against.
@@ -22,10 +22,10 @@ failure anywhere unwinds exactly what was made, and a stopping loop unwinds the 
     pidfile     written.
     metrics     --metrics-port: a thread serving the Service's stats on 127.0.0.1.
 
-What a release keeps is `Stop.keep`: a plain stop, or a failed start, removes segment and journal;
-`kvd stop --keep`, a kvd bug escaping the loop and -- from the moment a recovery has re-attached a
-crashed daemon's segment until the start succeeds -- a failed --recover start keep both for the
-next --recover, as they were: a bad flag must not cost the cache.
+What a release keeps is `Stop.keep`. A plain stop and a failed start remove segment and journal.
+Both stay as they were, for the next --recover, after `kvd stop --keep`, after a kvd bug escaped
+the loop, and after a --recover start that failed once it had re-attached the crashed daemon's
+segment: a bad flag must not cost the cache.
 """
 
 from __future__ import annotations

@@ -18,12 +18,10 @@ from __future__ import annotations
 from kvd.geometry import Geometry
 from kvd.runtime import DaemonPaths
 from kvd.server.loop import Server
-from kvd.server.recovery import bump_free_generations as _bump_free_generations
 from kvd.server import startup
 from kvd.server.startup import DaemonConfig, is_running, take_lock
 
-__all__ = ["Daemon", "DaemonConfig", "Server", "_bump_free_generations", "is_running", "launch",
-           "take_lock"]
+__all__ = ["Daemon", "DaemonConfig", "Server", "is_running", "launch", "take_lock"]
 
 
 def launch(config: DaemonConfig) -> Server:
@@ -47,6 +45,11 @@ class Daemon(Server):
 
     def start(self) -> None:
         Server.__init__(self, startup.start(self.config))
+
+    @property
+    def state_dir(self) -> str:
+        """Where the journal lives (or would)."""
+        return self.config.journal_dir
 
     @property
     def num_restored(self) -> int:

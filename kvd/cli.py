@@ -11,13 +11,16 @@ import resource
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvd.errors import BadArgsError, DisconnectedError, KvdError
 from kvd.geometry import DTYPES, Geometry
 from kvd.core.policies import DEFAULT_POLICY, POLICIES, parse_tiers
 from kvd.protocol import codec
 from kvd.runtime import DEFAULT_NAME, DaemonPaths, runtime_dir
+
+if TYPE_CHECKING:  # (the daemon's modules load only for `kvd start`)
+    from kvd.server.startup import DaemonConfig, Started
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -86,7 +89,7 @@ def _geometry(args: argparse.Namespace) -> Geometry:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from kvd.server.daemon import Daemon
+    from kvd.server.daemon import DaemonConfig, launch
 
     if args.policy not in POLICIES and args.policy != "default":
         raise BadArgsError(f"unknown --policy {args.policy!r}: choose one of "
@@ -96,15 +99,15 @@ def cmd_start(args: argparse.Namespace) -> int:
     paths = DaemonPaths.for_name(args.name, args.socket)
     geometry = _geometry(args)
     _raise_fd_limit()
-    daemon = Daemon(paths, geometry, args.policy, metrics_port=args.metrics_port,
-                    state_dir=args.state_dir, recover=args.recover,
-                    journal=not args.no_journal, tiers=args.tiers)
+    config = DaemonConfig(paths, geometry, args.policy, tiers=args.tiers,
+                          metrics_port=args.metrics_port, state_dir=args.state_dir,
+                          recover=args.recover, journal=not args.no_journal)
     if args.detach:
-        return _detach(daemon, paths, args.log_level)
+        return _detach(config, args.log_level)
     _setup_logging(args.log_level, sys.stderr)
-    daemon.start()
-    print(_ready_line(daemon), flush=True)
-    daemon.serve_forever()
+    server = launch(config)
+    print(_ready_line(server.started), flush=True)
+    server.serve_forever()
     return 0
 
 
@@ -116,11 +119,11 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _ready_line(daemon: Any) -> str:
-    g = daemon.geometry
-    return (f"kvd: serving name={daemon.paths.name} socket={daemon.paths.socket_path} "
-            f"segment={daemon.segment.name} blocks={g.num_blocks} "
-            f"block_nbytes={g.block_nbytes} policy={daemon.service.pool.policy.name} "
+def _ready_line(started: Started) -> str:
+    g, paths = started.config.geometry, started.config.paths
+    return (f"kvd: serving name={paths.name} socket={paths.socket_path} "
+            f"segment={started.segment.name} blocks={g.num_blocks} "
+            f"block_nbytes={g.block_nbytes} policy={started.service.pool.policy.name} "
             f"codec={codec()} pid={os.getpid()}")
 
 
@@ -129,7 +132,7 @@ def _setup_logging(level: str, stream: Any) -> None:
                         format="%(asctime)s kvd[%(process)d] %(levelname)s %(message)s")
 
 
-def _detach(daemon: Any, paths: DaemonPaths, log_level: str) -> int:
+def _detach(config: DaemonConfig, log_level: str) -> int:
     """Double-fork; the parent prints the daemon's ready line (or its error) and returns."""
     read_fd, write_fd = os.pipe()
     if os.fork():
@@ -143,21 +146,23 @@ def _detach(daemon: Any, paths: DaemonPaths, log_level: str) -> int:
     os.setsid()
     if os.fork():
         os._exit(0)
-    log_path = os.path.join(runtime_dir(), f"{paths.name}.log")
+    log_path = os.path.join(runtime_dir(), f"{config.paths.name}.log")
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     null_fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null_fd, 0)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     _setup_logging(log_level, sys.stderr)
+    from kvd.server.daemon import launch
+
     try:
-        daemon.start()
+        server = launch(config)
     except KvdError as exc:
         os.write(write_fd, f"kvd: {exc}\n".encode())
         os._exit(1)
-    os.write(write_fd, f"{_ready_line(daemon)} log={log_path}\n".encode())
+    os.write(write_fd, f"{_ready_line(server.started)} log={log_path}\n".encode())
     os.close(write_fd)
-    daemon.serve_forever()
+    server.serve_forever()
     os._exit(0)
 
 
@@ -167,7 +172,7 @@ def _socket_of(args: argparse.Namespace) -> str:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     from kvd.client import connect
-    from kvd.server.daemon import is_running
+    from kvd.server.startup import is_running
 
     if not args.timeout > 0:
         raise BadArgsError(f"--timeout must be > 0 seconds, got {args.timeout}")
@@ -201,7 +206,7 @@ EXIT_NOT_RESPONDING = 4  # "status unknown": the name is held, the daemon does n
 def _daemon_stats(args: argparse.Namespace) -> tuple[dict[str, Any] | None, int, str]:
     """`(stats, 0, "")`, or `(None, exit code, why)` when the daemon cannot say."""
     from kvd.client import connect
-    from kvd.server.daemon import is_running
+    from kvd.server.startup import is_running
 
     if not args.timeout > 0:
         raise BadArgsError(f"--timeout must be > 0 seconds, got {args.timeout}")

@@ -131,13 +131,14 @@ class Client:
             raise
         _live_clients.add(self)
 
-    def _open_session(self) -> None:
-        """Connect, say hello, map the segment the daemon serves (keeping a mapping of it)."""
+    def _open_session(self) -> socket.socket:
+        """Connect, say hello, map the segment the daemon serves (keeping a mapping of it);
+        returns the session's socket (also `_sock`)."""
         self._decoder = FrameDecoder()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(self.timeout_s)
+        self._sock = sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
         try:
-            self._sock.connect(self.socket_path)
+            sock.connect(self.socket_path)
         except PermissionError:  # the socket or its directory belongs to another user
             raise DeniedError(f"no permission to connect to {self.socket_path}: a daemon serves "
                               "its own user only; run as that user or start your own "
@@ -146,15 +147,15 @@ class Client:
             raise DisconnectedError(f"no kvd daemon at {self.socket_path} ({exc}): start one "
                                     "with `kvd start`") from None
         try:
-            self.info = self._request("hello", {"version": PROTOCOL_VERSION,
-                                                "pid": os.getpid()})
+            self.info = self._request(sock, "hello", {"version": PROTOCOL_VERSION,
+                                                      "pid": os.getpid()})
         except TimeoutError:
             raise DisconnectedError(f"the kvd daemon at {self.socket_path} did not answer "
                                     f"hello within timeout_s={self.timeout_s} s") from None
         self.geometry = Geometry.from_dict(self.info["geometry"])
         self.session_id: int = self.info["session_id"]
         if self._segment is not None and self._segment.uuid == self.info["segment_uuid"]:
-            return  # a recovered daemon serves the same segment: every view stays valid
+            return sock  # a recovered daemon serves the same segment: every view stays valid
         if self._segment is not None:
             # A new segment: old views point at the old (unlinked) memory; keep it mapped while
             # they live so they never touch unmapped pages, and hand out views of the new one.
@@ -171,6 +172,7 @@ class Client:
             raise DisconnectedError(f"segment {self.info['segment']} is not the one the "
                                     "daemon serves (it was replaced): reconnect")
         self._segment = segment
+        return sock
 
     def _close_stale_segments(self) -> None:
         """Unmap replaced segments no view holds any more (their memory goes back to the host)."""
@@ -188,19 +190,20 @@ class Client:
         if self._is_forked:  # set by os.register_at_fork in a child: no getpid() per call
             raise InUseError(f"this kvd connection belongs to process {self._pid}: call "
                              "kvd.connect() in the child process instead of sharing it")
-        if self._sock is None:
+        sock = self._sock
+        if sock is None:
             raise DisconnectedError("the client is closed: call kvd.connect() again")
         try:
-            return self._request(op, args)
+            return self._request(sock, op, args)
         except TimeoutError:
             raise self._timed_out(op) from None
         except DisconnectedError as lost:
             if self.reconnect_timeout_s <= 0:
                 self._close_socket()  # a half-read reply would put every later call out of step
                 raise
-            segment_uuid = self._segment.uuid
-            self._reconnect(lost)
-        if self._segment.uuid != segment_uuid:
+            segment_uuid = self.info["segment_uuid"]  # (the mapped segment's: _open_session)
+            sock = self._reconnect(sock, lost)
+        if self.info["segment_uuid"] != segment_uuid:
             raise DisconnectedError(
                 f"the kvd daemon restarted clean during {op!r} and serves a new segment: "
                 "nothing cached survived, and views and `pool` taken before show the old, "
@@ -214,7 +217,7 @@ class Client:
                 "and sequences are gone (sealed blocks survive a --recover restart: look them "
                 "up again); the client is reconnected")
         try:
-            return self._request(op, args)
+            return self._request(sock, op, args)
         except TimeoutError:
             raise self._timed_out(op) from None
         except DisconnectedError:
@@ -230,10 +233,10 @@ class Client:
             "daemon drops this session's pins, unsealed blocks and sequences; the request may "
             "have been applied); call kvd.connect() again")
 
-    def _request(self, op: str, args: dict[str, Any]) -> Any:
+    def _request(self, sock: socket.socket, op: str, args: dict[str, Any]) -> Any:
         request_id = self._next_id
         self._next_id += 1
-        sock, view = self._sock, self._recv_view
+        view = self._recv_view
         try:
             frame = self._encoder.request(request_id, op, args)
         except TypeError as exc:  # msgpack has no encoding for an argument's type
@@ -244,7 +247,7 @@ class Client:
         except TimeoutError:
             raise  # the caller's to tell from a lost daemon
         except OSError as exc:
-            self._raise_parting_error()
+            self._raise_parting_error(sock)
             raise DisconnectedError(f"lost the kvd daemon at {self.socket_path}: {exc}") from None
         decoder, reply = self._decoder, None
         try:
@@ -271,14 +274,14 @@ class Client:
                                     "the session is out of step, reconnect")
         return result
 
-    def _raise_parting_error(self) -> None:
+    def _raise_parting_error(self, sock: socket.socket) -> None:
         """Raise the error the daemon sent before closing, if any. A daemon refusing a
         connection (another uid) sends one error frame and closes at once, so a request sent
         after that fails with EPIPE while the frame waits unread in our socket."""
         data = bytearray()
         try:
-            self._sock.setblocking(False)
-            while chunk := self._sock.recv(65536):
+            sock.setblocking(False)
+            while chunk := sock.recv(65536):
                 data += chunk
         except OSError:
             pass  # nothing (more) buffered
@@ -289,20 +292,20 @@ class Client:
         if bodies:
             decode_reply(bodies[0])  # raises the error it carries
 
-    def _reconnect(self, lost: DisconnectedError) -> None:
-        """Retry the connection with exponential backoff for up to reconnect_timeout_s."""
-        self._sock.close()
+    def _reconnect(self, lost_sock: socket.socket, lost: DisconnectedError) -> socket.socket:
+        """Retry the connection with exponential backoff for up to reconnect_timeout_s;
+        returns the new session's socket."""
+        lost_sock.close()
         deadline = time.monotonic() + self.reconnect_timeout_s
         delay_s = 0.02
         while True:
             try:
-                self._open_session()
+                sock = self._open_session()
                 self.num_reconnects += 1
-                return
+                return sock
             except DisconnectedError:
-                self._sock.close()
+                self._close_socket()  # (closed: later calls say so at once)
                 if time.monotonic() + delay_s > deadline:
-                    self._sock = None  # closed: later calls say so at once
                     raise DisconnectedError(f"{lost}; no daemon came back within "
                                             f"{self.reconnect_timeout_s} s") from None
                 time.sleep(delay_s)

@@ -212,7 +212,7 @@ def _remove_lock_file(name: str) -> None:
     """A daemon leaves its name's lock file (unlinking it could race a next daemon's flock);
     the demo's names are its own, one per run, so once its daemon is gone the file is only
     clutter."""
-    from kvd.server.daemon import is_running
+    from kvd.server.startup import is_running
 
     paths = DaemonPaths.for_name(name)
     if not is_running(paths):

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import SupportsIndex, cast
 
 import numpy as np
 
-from kvd.errors import BadArgsError, NoSpaceError
+from kvd.errors import BadArgsError, InternalError, NoSpaceError
 from kvd.core.policies import POLICIES
 from kvd.core.pool import BlockPool
 
@@ -40,8 +41,8 @@ def _index_or_none(value: object) -> int | None:
     """A plain int from an int or a NumPy integer (not a bool, nor a float's truncation)."""
     if isinstance(value, bool):
         return None
-    try:
-        return operator.index(value)
+    try:  # (any object may be tried: TypeError is the answer for those without __index__)
+        return operator.index(cast(SupportsIndex, value))
     except TypeError:
         return None
 
@@ -103,7 +104,11 @@ class PagedKVCache:
         block_id = self._pool.touch(key)
         if block_id is not None:
             return block_id
-        (block_id,) = self._pool.allocate(1, _EMBEDDED_OWNER)  # never None: all blocks evictable
+        block_ids = self._pool.allocate(1, _EMBEDDED_OWNER)
+        if block_ids is None:
+            raise InternalError("the embedded pool found no block to evict, but every block here "
+                                "is evictable at all times: a kvd bug")
+        (block_id,) = block_ids
         self.storage[block_id] = 0  # a reused block must not show its previous pair's data
         self._pool.seal([block_id], [key], _EMBEDDED_OWNER)
         self._pool.release([block_id], _EMBEDDED_OWNER)

@@ -18,7 +18,8 @@ import numpy as np
 
 from kvd.errors import BadArgsError
 
-DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2")}
+DTYPES: dict[str, np.dtype[Any]] = {
+    "float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2")}
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ import argparse
 import heapq
 import json
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from kvd.errors import BadArgsError
@@ -92,7 +92,7 @@ class Row:
 def replay_anchor(trace: Sequence[Request], policy_name: str, capacity: int) -> Counts:
     """Reference semantics: per block reference, head first; hit → access, miss → insert."""
     policy = make_policy(policy_name, capacity)
-    cached: set[int] = set()
+    cached: set[Hashable] = set()
     counts = Counts()
     for request in trace:
         num_prefix = num_hits = 0

@@ -174,7 +174,7 @@ class Segment:
         finally:
             shm.close_fd()  # the mapping keeps the memory; nothing needs the fd after mmap
         segment = cls(name, mapping, geometry, uuid.uuid4().bytes, boot_id)
-        segment._write_header()
+        segment._write_header(mapping)
         return segment
 
     @classmethod
@@ -210,7 +210,7 @@ class Segment:
             mapping.close()
             raise
 
-    def _write_header(self) -> None:
+    def _write_header(self, mapping: mmap.mmap) -> None:
         geometry = self._geometry
         header = _HEADER.pack(
             MAGIC, LAYOUT_VERSION, HEADER_NBYTES, self._uuid, self._boot_id,
@@ -222,8 +222,8 @@ class Segment:
         generations[:] = secrets.randbits(31) << 32  # see "Generations start at a random base"
         del generations
         # The magic goes in last: a header without it is refused by `attach`.
-        self._mmap[len(MAGIC):_HEADER.size] = header[len(MAGIC):]
-        self._mmap[:len(MAGIC)] = MAGIC
+        mapping[len(MAGIC):_HEADER.size] = header[len(MAGIC):]
+        mapping[:len(MAGIC)] = MAGIC
 
     # --- views -----------------------------------------------------------------------------
 

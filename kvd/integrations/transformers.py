@@ -48,7 +48,7 @@ import hashlib
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import transformers
@@ -267,9 +267,11 @@ class KvdCache(Cache):
         self._binding = _SequenceBinding(client, prompt, salt)
         self.num_prompt_tokens = len(prompt)
         self.num_cached_tokens = self._binding.seq.num_cached_tokens
-        super().__init__(layers=[
+        # Cache.layers, typed as what they are (Cache declares its base classes' union)
+        self._kvd_layers = [
             KvdLayer(pool[:, layer, 0], pool[:, layer, 1], self._binding, self.num_cached_tokens)
-            for layer in range(client.geometry.num_layers)])
+            for layer in range(client.geometry.num_layers)]
+        super().__init__(layers=[*self._kvd_layers])
         self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self.is_closed = False
 
@@ -281,7 +283,7 @@ class KvdCache(Cache):
     @property
     def num_computed_tokens(self) -> int:
         """Tokens whose K/V every layer has written (prompt and generated)."""
-        return min(layer.num_tokens for layer in self.layers)
+        return min(layer.num_tokens for layer in self._kvd_layers)
 
     def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if kwargs.get("cache", kwargs.get("past_key_values")) is not self:
@@ -299,7 +301,7 @@ class KvdCache(Cache):
         self.is_closed = True
         self._hook.remove()
         num_computed = self.num_computed_tokens
-        for layer in self.layers:
+        for layer in self._kvd_layers:
             layer.detach()
         try:
             self._binding.commit(num_computed)
@@ -317,6 +319,13 @@ class KvdCache(Cache):
                            "search, batch expansion, crop and reset are not supported")
 
     reorder_cache = batch_repeat_interleave = batch_select_indices = crop = reset = _unsupported
+
+
+class _Generates(Protocol):
+    """A model that generates: GenerationMixin's `generate`, which PreTrainedModel does not
+    declare (a model class mixes it in, or brings its own alike)."""
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -340,6 +349,6 @@ def generate_with_kvd(model: PreTrainedModel, client: Any,
     """
     prompt = torch.tensor([_token_list(input_ids)], dtype=torch.long)
     with KvdCache(client, model, prompt, salt=salt) as cache:
-        output = model.generate(prompt, cache=cache, **generate_kwargs)
+        output = cast(_Generates, model).generate(prompt, cache=cache, **generate_kwargs)
         return KvdGeneration(output, cache.num_prompt_tokens, cache.num_cached_tokens,
                              cache.num_computed_tokens - cache.num_cached_tokens, cache.block_ids)

@@ -148,13 +148,14 @@ class Service:
             if writes and self.write_error is not None:
                 self._check_writable()
             return protocol.call_hot(handler, args, schema, session.session_id)
-        handler = self._ops.get(op)
-        if handler is None and hot is None:
+        op_handler = self._ops.get(op)
+        if op_handler is None and hot is None:
             raise UnknownOpError(f"unknown op {op!r}: valid ops are "
                                  f"{', '.join([*self._ops, *self._hot])}")
-        if not session.is_ready and op != "hello":
+        # (No handler here: a hot op, so the session has not said hello.)
+        if op_handler is None or (not session.is_ready and op != "hello"):
             raise ProtocolError(f"say hello (protocol version {PROTOCOL_VERSION}) before {op!r}")
-        return handler(session, args)
+        return op_handler(session, args)
 
     # ---- ops -----------------------------------------------------------------------------
     def _hello(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:

@@ -36,7 +36,7 @@ import pytest
 
 import kvd
 from conftest import ROOT, child_env, daemon_name, start_daemon_process, wait_ready
-from kvd.server.daemon import Daemon
+from kvd.server.daemon import DaemonConfig, Server, launch
 from kvd.geometry import Geometry
 from kvd.core.pool import ORPHAN
 from kvd.server.journal import JOURNAL_FILENAME, Journal
@@ -493,14 +493,13 @@ def test_block_sealed_and_evicted_in_one_iteration_is_not_restored(restartable):
 
 
 @pytest.fixture
-def inline_daemon(tmp_path: Path) -> Iterator[Daemon]:
-    """A journaled Daemon in this process, served one loop iteration at a time."""
+def inline_daemon(tmp_path: Path) -> Iterator[Server]:
+    """A journaled daemon in this process, served one loop iteration at a time."""
     name = daemon_name()
     paths = DaemonPaths.for_name(name, str(tmp_path / "kvd.sock"))
-    daemon = Daemon(paths, Geometry(**{k: GEOMETRY[k] for k in ("num_blocks", "block_size")},
-                                    num_layers=1, num_kv_heads=1, head_dim=8),
-                    state_dir=str(tmp_path / "state"))
-    daemon.start()
+    daemon = launch(DaemonConfig(
+        paths, Geometry(**{k: GEOMETRY[k] for k in ("num_blocks", "block_size")}, num_layers=1,
+                        num_kv_heads=1, head_dim=8), state_dir=str(tmp_path / "state")))
     try:
         yield daemon
     finally:
@@ -515,7 +514,7 @@ def test_seals_of_every_client_served_in_one_iteration_share_one_commit(inline_d
     for _ in range(3):
         raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         raw.settimeout(10)
-        raw.connect(inline_daemon.paths.socket_path)
+        raw.connect(inline_daemon.started.config.paths.socket_path)
         inline_daemon.serve_once(1.0)  # accept
         raw.sendall(encode_request(1, "hello", {"version": PROTOCOL_VERSION, "pid": os.getpid()}))
         inline_daemon.serve_once(1.0)
@@ -965,13 +964,13 @@ def test_a_bug_escaping_the_loop_keeps_segment_and_journal_for_recover(tmp_path)
     geometry = Geometry(num_blocks=GEOMETRY["num_blocks"], block_size=GEOMETRY["block_size"],
                         num_layers=1, num_kv_heads=1, head_dim=8)
     state = str(tmp_path / "state")
-    daemon = Daemon(paths, geometry, state_dir=state)
-    daemon.start()
+    daemon = launch(DaemonConfig(paths, geometry, state_dir=state))
     pool = daemon.service.pool
     session = daemon.service.open_session(os.getpid(), os.getuid())
     block_ids = pool.allocate(2, session.session_id)
     keys = new_keys(2)
     pool.seal(block_ids, keys, session.session_id)
+    assert daemon.journal is not None
     daemon.journal.commit()
     pool.release(block_ids, session.session_id)
 
@@ -983,10 +982,9 @@ def test_a_bug_escaping_the_loop_keeps_segment_and_journal_for_recover(tmp_path)
         daemon.serve_forever()
     segment_path = f"/dev/shm{paths.segment_name}"
     assert os.path.exists(segment_path)
-    recovered = Daemon(paths, geometry, state_dir=state, recover=True)
-    recovered.start()
+    recovered = launch(DaemonConfig(paths, geometry, state_dir=state, recover=True))
     try:
-        assert recovered.num_restored == 2
+        assert recovered.started.num_restored == 2
         assert [recovered.service.pool.find(key) for key in keys] == block_ids
     finally:
         recovered.stop()

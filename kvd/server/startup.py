@@ -1,0 +1,379 @@
+"""Startup: build everything the daemon's loop serves, in order, and release it in reverse.
+
+Theory of operation
+-------------------
+`start(config)` returns a `Started`: every piece the loop (kvd/server/loop.py) serves, each one
+built, and one ExitStack that releases them all. Each step pushes its undo as it goes, so that a
+failure anywhere unwinds exactly what was made, and a stopping loop unwinds the same way:
+
+    flock       the name's single-instance lock, taken before anything touches the socket path: a
+                second daemon of the same name is refused having changed nothing. Released last,
+                so the name is free only once everything else is gone.
+    signals     SIGTERM/SIGINT request the stop and wake the selector (set_wakeup_fd on a
+                socketpair). Right after the lock, so that a signal during startup still ends
+                in the cleanup: the loop sees the request before it serves anyone.
+    selector    the loop's.
+    (pidfile)   its removal: under the lock, a pidfile there is ours or a dead daemon's.
+    journal     unless --no-journal; opened before the segment, which recovery checks it against.
+    segment     re-attached with its journaled blocks restored (--recover: kvd/server/recovery.py)
+                or created clean; then the pool over its generation counters, and the Service.
+    socket      bound 0600 inside the 0700 runtime directory (kvd/runtime.py); an existing path
+                is replaced only if it is a socket nobody answers on (a dead daemon's).
+    pidfile     written.
+    metrics     --metrics-port: a thread serving the Service's stats on 127.0.0.1.
+
+What a release keeps is `Stop.keep`. A plain stop and a failed start remove segment and journal.
+Both stay as they were, for the next --recover, after `kvd stop --keep`, after a kvd bug escaped
+the loop, and after a --recover start that failed once it had re-attached the crashed daemon's
+segment: a bad flag must not cost the cache.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import selectors
+import signal
+import socket
+import stat
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import numpy as np
+
+from kvd.core.policies import make_policy
+from kvd.core.pool import BlockPool
+from kvd.errors import BadArgsError, DeniedError, InUseError, KvdError
+from kvd.geometry import Geometry
+from kvd.runtime import SHM_DIR, DaemonPaths
+from kvd.runtime import state_dir as state_dir_of
+from kvd.segment import Segment
+from kvd.server.journal import Journal, failpoint, remove_journal
+from kvd.server.metrics import OpStats, serve_metrics
+from kvd.server.recovery import attach_recoverable, bump_free_generations, stamp
+from kvd.server.service import Service
+
+log = logging.getLogger("kvd")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """A daemon's flags: what `start` builds from.
+
+    Args:
+        policy: eviction policy name, or "default".
+        tiers: `--tiers` (e.g. prefill=0.7,decode=0.3): a prefill/decode TieredPolicy.
+        metrics_port: serve Prometheus metrics on 127.0.0.1 at this port (None: not at all).
+        state_dir: where the journal lives (None: runtime.state_dir(name)).
+        recover: re-attach the segment and journal a previous daemon left, if they match.
+        journal: keep the crash-recovery journal (off: faster seals, nothing survives).
+    """
+
+    paths: DaemonPaths
+    geometry: Geometry
+    policy: str = "default"
+    tiers: str | None = None
+    metrics_port: int | None = None
+    state_dir: str | None = None
+    recover: bool = False
+    journal: bool = True
+
+    def __post_init__(self) -> None:
+        port = self.metrics_port
+        if port is not None and not (type(port) is int and 0 <= port <= 65535):
+            raise BadArgsError(f"metrics port must be an int in [0, 65535], got {port!r}")
+
+    @property
+    def journal_dir(self) -> str:
+        return self.state_dir or str(state_dir_of(self.paths.name))
+
+
+class Stop:
+    """The request to stop: by SIGTERM/SIGINT, the shutdown op or Server.stop; the loop reads it
+    once an iteration, and the release reads `keep` (module docstring)."""
+
+    def __init__(self) -> None:
+        self.is_requested = False
+        self.keep = False  # keep segment and journal for --recover
+
+    def request(self, keep: bool | None = None) -> None:
+        if keep is not None:
+            self.keep = keep
+        self.is_requested = True
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        self.is_requested = True
+
+    def on_shutdown(self, keep: bool) -> None:
+        """The shutdown op's."""
+        self.request(keep)
+        log.info("shutdown requested by a client (keep=%s)", keep)
+
+
+@dataclass(frozen=True, eq=False)
+class Started:
+    """What `start` built: all of it serving, none of it missing."""
+
+    config: DaemonConfig
+    segment: Segment
+    journal: Journal | None  # None: --no-journal
+    service: Service  # (with the pool)
+    listener: socket.socket
+    wakeup: socket.socket  # readable after a signal (the set_wakeup_fd pair's read end)
+    selector: selectors.BaseSelector
+    stop: Stop
+    num_restored: int  # blocks a recovery restored (0: started clean)
+    resources: ExitStack  # releases everything above, in the reverse order of building
+
+
+def take_lock(paths: DaemonPaths) -> int:
+    """Take the single-instance flock; returns its fd. Raises DeniedError if a daemon holds it."""
+    fd = os.open(paths.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DeniedError(f"a kvd daemon named {paths.name!r} is already running "
+                          f"{_pid_text(paths)}: stop it (kvd stop --name {paths.name}) or "
+                          "choose another --name") from None
+    return fd
+
+
+def is_running(paths: DaemonPaths) -> bool:
+    """Whether a daemon holds the name's lock."""
+    try:
+        fd = os.open(paths.lock_path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def start(config: DaemonConfig) -> Started:
+    """Build everything the loop serves (module docstring).
+
+    Raises:
+        DeniedError: a daemon of this name is running.
+        InUseError: the socket path or the metrics port is taken.
+        KvdError: another reason it cannot start; what it had made is released.
+    """
+    paths = config.paths
+    lock_fd = take_lock(paths)
+    undo = ExitStack()
+    undo.callback(os.close, lock_fd)
+    try:
+        stop = Stop()
+        wakeup = _install_signals(stop, undo)
+        selector = undo.enter_context(selectors.DefaultSelector())
+        undo.callback(_unlink_quietly, paths.pid_path)
+        journal = None
+        if config.journal:
+            journal = Journal(config.journal_dir)
+            undo.callback(_release_journal, journal, stop)
+        segment, pool, num_restored = _open_pool(config, journal, stop, undo)
+        info = {"segment": segment.name, "segment_uuid": segment.uuid,
+                "daemon_pid": os.getpid(), "name": paths.name}
+        service = Service(pool, config.geometry, _block_copier(segment.pool), info, OpStats(),
+                          on_shutdown=stop.on_shutdown)
+        if journal is not None:
+            service.journal_state = "ok"
+        listener = _bind(paths.socket_path)
+        undo.callback(_release_listener, listener, paths.socket_path)
+        _write_pidfile(paths.pid_path)
+        if config.metrics_port is not None:
+            _serve_metrics(config.metrics_port, service)
+    except BaseException:
+        undo.close()
+        raise
+    stop.keep = False  # started: from now on a plain stop removes what it serves
+    return Started(config, segment, journal, service, listener, wakeup, selector, stop,
+                   num_restored, undo)
+
+
+# ---- the pool ------------------------------------------------------------------------------------
+def _open_pool(config: DaemonConfig, journal: Journal | None, stop: Stop,
+               undo: ExitStack) -> tuple[Segment, BlockPool, int]:
+    """Recover the previous segment and index if asked and valid, else start clean: (segment,
+    pool, blocks restored); the segment's release goes on `undo` once it is the one served."""
+    if config.recover:
+        recovered = _recover(config, journal, stop, undo)
+        if recovered is not None:
+            return recovered
+    segment = _create_segment(config, journal)
+    undo.callback(_release_segment, segment, stop)
+    return segment, _new_pool(config, segment, journal), 0
+
+
+def _recover(config: DaemonConfig, journal: Journal | None, stop: Stop,
+             undo: ExitStack) -> tuple[Segment, BlockPool, int] | None:
+    """The previous segment, its journaled blocks restored into a new pool, or None (logged) to
+    start clean."""
+    if journal is None:
+        log.warning("recovery: --recover needs the journal; starting clean")
+        return None
+    recovered = attach_recoverable(config.paths.segment_name, config.geometry, journal)
+    if recovered is None:
+        return None
+    segment, rows = recovered
+    # From here a failed start leaves the crashed daemon's segment and journal as it found them,
+    # for the next --recover: a bad flag must not cost the cache.
+    stop.keep = True
+    pool = _new_pool(config, segment, journal)
+    failpoint("during-recovery")
+    try:
+        num_restored = pool.restore(rows)
+    except BadArgsError as exc:  # a journal the pool cannot take: never map it
+        log.warning("recovery: %s; starting clean", exc)
+        stop.keep = False  # (the old mapping goes with the pool)
+        return None
+    bump_free_generations(pool, segment.generations)
+    log.info("recovered segment %s: %d of %d journaled blocks restored from %s",
+             segment.name, num_restored, len(rows.block_ids), journal.path)
+    undo.callback(_release_segment, segment, stop)
+    return segment, pool, num_restored
+
+
+def _new_pool(config: DaemonConfig, segment: Segment, journal: Journal | None) -> BlockPool:
+    num_blocks = config.geometry.num_blocks
+    policy = make_policy(config.policy, num_blocks, tiers=config.tiers)
+    return BlockPool(num_blocks, policy, segment.generations, observer=journal)
+
+
+def _create_segment(config: DaemonConfig, journal: Journal | None) -> Segment:
+    paths = config.paths
+    stale = SHM_DIR + paths.segment_name
+    if os.path.exists(stale):  # we hold the lock, so no live daemon uses it
+        log.warning("removing stale segment %s left by a daemon that crashed or stopped "
+                    "with --keep (kvd start --recover keeps it)", paths.segment_name)
+        os.unlink(stale)
+    segment = Segment.create(paths.segment_name, config.geometry)
+    if journal is not None:
+        journal.reset(stamp(segment))
+    elif Path(config.journal_dir) == state_dir_of(paths.name):
+        # A journal there describes a segment that is gone (say, kept by stop --keep and
+        # then started clean with --no-journal): nothing would ever remove it. (Only under
+        # the name's own default: the lock held covers nothing else.)
+        remove_journal(config.journal_dir)
+    return segment
+
+
+def _block_copier(blocks: np.ndarray) -> Callable[[int, int], None]:
+    def copy_block(src: int, dst: int) -> None:
+        blocks[dst] = blocks[src]
+    return copy_block
+
+
+# ---- the socket, the pidfile, signals, metrics ---------------------------------------------------
+def _bind(path: str) -> socket.socket:
+    """A listening socket at `path` (0600), non-blocking."""
+    # The name's lock does not cover a --socket path another name may serve, or a file a typo
+    # names: replace only a socket nobody answers on (a dead daemon's).
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(mode):
+            raise InUseError(f"{path} exists and is not a socket: refusing to replace it "
+                             "(choose another --socket)")
+        if _is_answered(path):
+            raise InUseError(f"another daemon serves {path} (started under another "
+                             "--name): stop it or choose another --socket")
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        old_umask = os.umask(0o177)
+        try:
+            listener.bind(path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o600)
+        listener.listen(512)
+        listener.setblocking(False)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def _is_answered(socket_path: str) -> bool:
+    """Whether something accepts connections on the Unix socket at `socket_path`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(socket_path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+    return True
+
+
+def _write_pidfile(pid_path: str) -> None:
+    tmp = f"{pid_path}.{os.getpid()}"
+    with open(tmp, "w") as file:
+        file.write(f"{os.getpid()}\n")
+    os.replace(tmp, pid_path)
+
+
+def _pid_text(paths: DaemonPaths) -> str:
+    try:
+        with open(paths.pid_path) as file:
+            return f"(pid {int(file.read().strip())})"
+    except (OSError, ValueError):
+        return ""
+
+
+def _install_signals(stop: Stop, undo: ExitStack) -> socket.socket:
+    """SIGTERM and SIGINT request `stop` and wake the selector; returns the socket they wake."""
+    wakeup, signal_w = socket.socketpair()
+    undo.callback(signal_w.close)
+    undo.callback(wakeup.close)
+    wakeup.setblocking(False)
+    signal_w.setblocking(False)
+    signal.set_wakeup_fd(signal_w.fileno(), warn_on_full_buffer=False)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop.on_signal)
+    return wakeup
+
+
+def _serve_metrics(port: int, service: Service) -> None:
+    try:
+        serve_metrics(port, service.stats, service.ops)
+    except OSError as exc:
+        error = InUseError if exc.errno == errno.EADDRINUSE else KvdError
+        raise error(f"cannot serve metrics on 127.0.0.1:{port}: {exc.strerror or exc}") from None
+
+
+# ---- releases (on the ExitStack) -----------------------------------------------------------------
+def _release_listener(listener: socket.socket, path: str) -> None:
+    listener.close()
+    _unlink_quietly(path)
+
+
+def _release_segment(segment: Segment, stop: Stop) -> None:
+    if not stop.keep:
+        segment.unlink()
+
+
+def _release_journal(journal: Journal, stop: Stop) -> None:
+    """Close it for --recover (the loop has committed what was pending), or remove it."""
+    if stop.keep:
+        journal.close()
+    else:
+        journal.remove()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -18,7 +18,7 @@ segment is: it maps content to the segment's blocks, so it survives what the seg
 reboot; the stamp check then starts clean anyway). On tmpfs, SQLite's WAL writes and
 checkpoints never wait for a disk: at batch 16, commit + upkeep take 29-31 us of mean wall time
 there against 46-57 us on the bench machine's ext4, and the longest stall (a checkpoint's fsync)
-5 ms against 16-24 ms (bench/recovery.py's commit table, TMPDIR on each).
+5 ms against 16-24 ms (`python -m bench.journal_commit`, TMPDIR on each).
 """
 
 from __future__ import annotations

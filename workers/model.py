@@ -27,7 +27,7 @@ stores. Two stores implement that protocol:
   the model's `read` keeps such a copy per layer and takes only the blocks written (or
   re-tabled) since, so a decode step copies one block per layer. Those buffers start on a page
   boundary, as the pool does (kvd/blockcopy.py's `page_aligned_empty`: a gather took 1.8x as
-  long into an `np.empty` buffer, bench/data_plane.py, point 2). With the
+  long into an `np.empty` buffer, `python -m bench.data_plane`). With the
   geometry of bench/data_plane.py, the per-token scatter this replaced (T runs of H*D values)
   wrote 1.4-1.6x slower, and gathering K and V together into a fresh array, then untangling them
   with a transposing copy, read float32 about 3x slower (mostly faulting in the fresh

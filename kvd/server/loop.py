@@ -24,7 +24,7 @@ out, then the idle work no reply waits for: the journal's upkeep (kvd/server/jou
 steps and WAL checkpoints) and, on a full pool, choosing the next victim ahead of the next
 allocation (kvd/core/pool.py). The commit does not wait for requests that arrive meanwhile: one
 more non-blocking select to let them join it cost more seal throughput than the commits it
-saved (4 clients at batch 16, bench/recovery.py).
+saved (4 clients at batch 16, `python -m bench.seal_throughput`).
 
 A connection is closed for framing errors (the byte stream is unsynchronised), when its peer
 dies, and when it lets more than MAX_OUTPUT_NBYTES of replies pile up unread. Closing releases the
@@ -35,7 +35,7 @@ ends it like a crash, keeping segment and journal for --recover.
 
 Why selectors and not asyncio: the loop does no awaiting, every handler is a short synchronous
 call, and a plain selector loop avoids a transport and a protocol callback per request
-(`python -m bench.control_plane` runs the same echo server on both).
+(`python -m bench.diagnostics.event_loop` runs the same echo server on both).
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ Beside that pool, a second full pool without a journal runs the same alloc → s
 rounds, the two taking turns slice by slice: CPU per round with and without the journal, the
 journal's share of the metadata work itself (no sockets, scheduler or cold caches, so no
 placement moves it), with the seal step and the journal's commit and upkeep shown apart; and,
-where kvd/protocol/_wire.c is built, a third turn of the journaled pool with its records packed in Python
-(`protocol.use_c(False)`): what the C packer saves, measured side by side.
+where kvd/server/_journal.c is built, a third turn of the journaled pool with its records packed in Python
+(`journal.use_c(False)`): what the C packer saves, measured side by side.
 
 Seal throughput. Two real daemons side by side, one journaled and one `--no-journal`, in two
 scenarios (SEAL_POOL_BLOCKS): a fresh pool that never evicts, and a full one where every
@@ -468,7 +468,7 @@ def bench_commit_cost(seconds: float, batch_sizes: tuple[int, ...] = BATCH_SIZES
     journal) on a second full pool without one, taking turns slice by slice: the CPU a round
     costs with and without the journal, with no scheduler, socket or cold cache in between —
     the journal's own share of a round, the figure no placement moves."""
-    from kvd import protocol
+    from kvd.server import journal as journal_module
     from kvd.server.journal import Journal
     from kvd.core.pool import BlockPool
     from kvd.runtime import SHM_DIR
@@ -493,14 +493,14 @@ def bench_commit_cost(seconds: float, batch_sizes: tuple[int, ...] = BATCH_SIZES
             plain: dict[str, list[int]] = {step: [] for step in ROUND_STEPS}
             python: dict[str, list[int]] = {step: [] for step in ROUND_STEPS}
             turns = [(pool, journal, samples), (plain_pool, None, plain)]
-            if protocol.wire() is not None:  # and the journal packing records in Python
+            if journal_module.use_c(True):  # and the journal packing records in Python
                 turns.append((pool, journal, python))
             for _ in range(NUM_SLICES):  # taking turns: machine noise hits every one alike
                 for each, each_journal, each_samples in turns:
-                    protocol.use_c(each_samples is not python)
+                    journal_module.use_c(each_samples is not python)
                     next_key = time_rounds(each, each_journal, batch_size,
                                            seconds / NUM_SLICES / 2, next_key, each_samples)
-            protocol.use_c(True)
+            journal_module.use_c(True)
             rows[str(batch_size)] = summarise_commits(samples, plain)
             if python["round"]:
                 rows[str(batch_size)]["python"] = summarise_commits(python, plain)

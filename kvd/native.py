@@ -53,8 +53,9 @@ def built(name: str) -> ModuleType | None:
         return importlib.import_module(module_name)
     except ImportError as exc:
         if os.environ.get(REQUIRE_C_ENV) == "1":
-            raise ImportError(f"{REQUIRE_C_ENV}=1 but {module_name} was not built ({exc}): "
-                              "install with a C compiler, or unset the variable") from exc
+            raise ImportError(f"{REQUIRE_C_ENV}=1 but {module_name} is missing ({exc}): install "
+                              "kvd with a C compiler and its dependencies, or unset the "
+                              "variable") from exc
         return None
 
 

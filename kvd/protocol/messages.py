@@ -52,8 +52,7 @@ import msgpack
 from kvd import native
 from kvd.errors import KvdError, error_from_wire
 from kvd.protocol.framing import (
-    LENGTH, MAX_FRAME_NBYTES, FrameBuffer, check_frame_length, prefixed, protocol_error,
-    whole_frames,
+    LENGTH, MAX_FRAME_NBYTES, FrameBuffer, prefixed, protocol_error, whole_frames,
 )
 
 PROTOCOL_VERSION = 1
@@ -379,11 +378,3 @@ def describe(value: Any) -> str:
         return f"{type(value).__name__} of length {len(value)}"
     return short_repr(value)
 
-
-__all__ = [
-    "MAX_ARRAY_LEN", "MAX_MAP_LEN", "MAX_OP_NBYTES", "MAX_REQUEST_ID", "MAX_STR_NBYTES",
-    "MAX_UINT64", "PROTOCOL_VERSION", "FrameDecoder", "FrameEncoder", "check_frame_length",
-    "codec", "decode_reply", "decode_request", "describe", "encode_error", "encode_frame",
-    "encode_request", "encode_result", "fast_reply", "fast_request", "parse_reply",
-    "parse_request", "short_repr", "unpack_body", "use_msgspec",
-]

@@ -78,7 +78,8 @@ class _Msgspec:
 
     Every type below is one the specification accepts whole: request ids in [0, 2**64), ops of
     1 to MAX_OP_NBYTES characters, strings short enough in characters that their UTF-8 is within
-    MAX_STR_NBYTES, maps within MAX_MAP_LEN with str keys, and values of one level of nesting
+    MAX_STR_NBYTES, binary and arrays within their limits (which only a body above the frame cap
+    could pass), maps within MAX_MAP_LEN with str keys, and values of one level of nesting
     (an argument's list, a reply's list or map). Ext types and timestamps are in none of them.
     msgspec refuses a length beyond the body before it allocates. A request's values hold no
     str, and a reply's no bytes: msgspec's unions take one of the two (no op's arguments are
@@ -91,11 +92,13 @@ class _Msgspec:
         request_id: Any = Annotated[int, meta(ge=0)]
         op: Any = Annotated[str, meta(min_length=1, max_length=MAX_OP_NBYTES)]
 
+        binary: Any = Annotated[bytes, meta(max_length=MAX_FRAME_NBYTES)]
+
         def values(scalar: Any) -> Any:  # a scalar, or a list or a map of scalars
-            return Union[scalar, list[scalar],
+            return Union[scalar, Annotated[list[scalar], meta(max_length=MAX_ARRAY_LEN)],
                          Annotated[dict[text, scalar], meta(max_length=MAX_MAP_LEN)]]
 
-        arg: Any = values(Union[None, bool, int, float, bytes])
+        arg: Any = values(Union[None, bool, int, float, binary])
         args: Any = Annotated[dict[text, arg], meta(max_length=MAX_MAP_LEN)]
         result: Any = values(Union[None, bool, int, float, text])
         decoder = msgspec.msgpack.Decoder

@@ -247,6 +247,7 @@ def header(tag: int, fmt: str, length: int) -> bytes:
     b"\x93\x01\xa5alloc\x81" + header(0xdb, ">I", MAX_STR_NBYTES + 1)
     + b"a" * (MAX_STR_NBYTES + 1) + b"\x01",  # long key
     b"\x93\x01\xa5alloc\x81\xa1x" + header(0xc6, ">I", 2**32 - 1),  # bin beyond the body
+    msgpack.packb([1, "alloc", {"x": b"x" * (MAX_FRAME_NBYTES + 1)}]),  # (only above the cap)
 ], ids=lambda body: body[:24].hex())
 def test_invalid_bodies_are_left_to_python_which_raises(body: bytes) -> None:
     assert fast_request(body) is None

@@ -8,8 +8,8 @@ upkeep (`Journal.tidy`: compaction steps and WAL checkpoints, which the daemon r
 replies are out) → release at batch 1, 16 and 256, taking turns slice by slice with:
   * the same rounds on a second full pool without a journal: CPU per round with and without it,
     the journal's own share of a round (its cost);
-  * where kvd/protocol/_wire.c is built, the journaled pool again with its records packed in
-    Python (`kvd.protocol.use_c(False)`): what the C packer saves.
+  * where kvd/server/_journal.c is built, the journaled pool again with its records packed in
+    Python (`kvd.server.journal.use_c(False)`): what the C packer saves.
 Reported: CPU and wall time of a commit (what a seal's reply waits for) and of its upkeep, the
 mean wall time of both (a commit amortised) and the max (the longest stall).
 
@@ -90,10 +90,9 @@ def summarise(samples: dict[str, list[int]], plain: dict[str, list[int]]) -> dic
 
 
 def measure(batch_size: int, seconds: float) -> dict[str, Any]:
-    from kvd import protocol
     from kvd.core.pool import BlockPool
     from kvd.runtime import SHM_DIR
-    from kvd.server.journal import Journal
+    from kvd.server.journal import Journal, use_c
 
     with tempfile.TemporaryDirectory(dir=SHM_DIR) as state_dir:  # the default's place
         journal = Journal(state_dir)
@@ -107,14 +106,14 @@ def measure(batch_size: int, seconds: float) -> dict[str, Any]:
         sides: dict[str, dict[str, list[int]]] = {
             side: {step: [] for step in ROUND_STEPS} for side in ("journal", "plain", "python")}
         turns = [("journal", pool, journal), ("plain", plain_pool, None)]
-        if protocol.wire() is not None:
+        if use_c(True):
             turns.append(("python", pool, journal))
         for _ in range(NUM_SLICES):  # taking turns: machine noise hits every one alike
             for side, each, each_journal in turns:
-                protocol.use_c(side != "python")
+                use_c(side != "python")
                 next_key = time_rounds(each, each_journal, batch_size,
                                        seconds / NUM_SLICES / len(turns), next_key, sides[side])
-        protocol.use_c(True)
+        use_c(True)
         row = summarise(sides["journal"], sides["plain"])
         if sides["python"]["round"]:
             row["python"] = summarise(sides["python"], sides["plain"])

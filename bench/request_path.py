@@ -11,8 +11,9 @@ Per op of the control plane's round (alloc, seal, release, lookup, release), med
 interleaved chunks:
   * the round trip, kvd (client encode → send → serve_once → recv → decode) next to the floor
     with the same request body;
-  * the same kvd round trip with its frame codec in pure Python (`kvd.protocol.use_c(False)`),
-    where kvd/protocol/_wire.c is built: what the C codec saves;
+  * the same kvd round trip with the protocol's fast paths off (`kvd.protocol.use_c(False)`:
+    msgpack instead of msgspec, the argument checks in Python instead of kvd/protocol/_checks.c):
+    what they save;
   * the server's side alone: kvd's `serve_once` and the echo's loop iteration. A daemon running
     flat out on a core of its own serves 1 / (its time per request), so over the round the
     floor's server time over kvd's is what bench/scaling.py's ratio tends to with a core per
@@ -172,7 +173,7 @@ def run(quick: bool) -> dict[str, Any]:
     num_chunks = 2 if quick else 30
     # (samples, the server side's samples) per side; "pure": kvd with the codec in Python
     sides = {side: (by_op(), by_op()) for side in ("kvd", "echo", "pure")}
-    has_c = hasattr(protocol, "use_c") and protocol.use_c(True)  # (no pure turn without C)
+    has_c = protocol.use_c(True)  # (no pure turn where the fast paths are not there)
     stage_samples: dict[str, list[int]] = {f"{op}:{stage}": [] for op in OPS for stage in STAGES}
     key = 0
     with tempfile.TemporaryDirectory(prefix="kvd-path-") as directory:

@@ -5,7 +5,8 @@ Theory of operation
 Every compiled module is optional. Each is a fast path of Python that stays beside it as the
 readable specification and the twin tests' oracle (`functools.lru_cache` and `_functools` are the
 model): a module that was not built, or that `KVD_PURE_PYTHON=1` turns off, leaves kvd running the
-same logic in Python, slower. Nothing else in kvd imports a compiled module or reads these
+same logic in Python, slower. One of them is a dependency rather than kvd's own C: msgspec, the
+protocol's codec, switched the same way so that the pure-Python run exercises the specification. Nothing else in kvd imports a compiled module or reads these
 variables; callers ask `load(name)` once at import and get the module or None.
 
     KVD_PURE_PYTHON=1   load() returns None for every module (an install without a compiler runs
@@ -30,7 +31,9 @@ REQUIRE_C_ENV = "KVD_REQUIRE_C"
 
 # name -> (compiled module, the Python it speeds up)
 MODULES: dict[str, tuple[str, str]] = {
-    "wire": ("kvd.protocol._wire", "kvd/protocol: the frame codec and the hot ops' argument checks"),
+    "msgspec": ("msgspec", "kvd/protocol/messages.py: the frame codec (a dependency, not built here)"),
+    "checks": ("kvd.protocol._checks", "kvd/protocol/checks.py: the hot ops' argument checks"),
+    "journal": ("kvd.server._journal", "kvd/server/journal.py: a commit's records, packed and applied"),
     "copy": ("kvd._copy", "kvd/blockcopy.py: bulk block writes with streaming stores"),
     "pool": ("kvd.core._pool", "kvd/core/pool.py: the per-block loops of a batch"),
     "s3fifo": ("kvd.core.policies._s3fifo", "kvd/core/policies/s3fifo.py: batch events"),
@@ -50,8 +53,9 @@ def built(name: str) -> ModuleType | None:
         return importlib.import_module(module_name)
     except ImportError as exc:
         if os.environ.get(REQUIRE_C_ENV) == "1":
-            raise ImportError(f"{REQUIRE_C_ENV}=1 but {module_name} was not built ({exc}): "
-                              "install with a C compiler, or unset the variable") from exc
+            raise ImportError(f"{REQUIRE_C_ENV}=1 but {module_name} is missing ({exc}): install "
+                              "kvd with a C compiler and its dependencies, or unset the "
+                              "variable") from exc
         return None
 
 

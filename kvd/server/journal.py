@@ -62,10 +62,11 @@ Commit and upkeep. `commit()` does only what a reply must wait for: it packs the
 (`_records`) and inserts them as a chunk (usually one INSERT, atomic without BEGIN). Everything
 else is upkeep, in `tidy()`, which the daemon runs once the iteration's replies are flushed, so
 that no reply waits for it: bringing `chunk_of` up to date with the commits since it last did
-(`settle`), a compaction step if one is due, and WAL checkpoints. Where kvd/protocol/_wire.c is built, a
-commit packs its records in C and applies them to `chunk_of` at once, which costs less than either
-step in Python (bench/recovery.py's in-process table, C and Python in turns: the commit 71 -> 50 us
-of CPU at batch 16, the upkeep 15 -> 11 us; the rest of a commit is mostly SQLite's INSERT).
+(`settle`), a compaction step if one is due, and WAL checkpoints. Where kvd/server/_journal.c is
+built, a commit packs its records in C and applies them to `chunk_of` at once, which costs less
+than either step in Python (bench/recovery.py's in-process table, C and Python in turns: the commit
+71 -> 50 us of CPU at batch 16, the upkeep 15 -> 11 us; the rest of a commit is mostly SQLite's
+INSERT). `use_c` switches that C off and on in one process, for that bench and the twin tests.
 SQLite's automatic checkpoint would run inside the commit that crosses its threshold, and a
 checkpoint fsyncs the WAL and then the database file, 3-10 ms each on the bench machine's disk:
 tidy() checkpoints once about CHECKPOINT_NBYTES were written (4 MiB, SQLite's own default size),
@@ -115,15 +116,15 @@ import sqlite3
 import struct
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from functools import cache
 from itertools import repeat
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from kvd import protocol
+from kvd import native
 from kvd.errors import JournalError
 from kvd.core.pool import IndexRows, JournalRow
 from kvd.runtime import private_dir
@@ -159,6 +160,7 @@ COMPACT_BUDGET = 1024  # records a compaction step cleans at least (whole chunks
 PAGE_NBYTES = 4096  # SQLite's default page size
 CHECKPOINT_NBYTES = 4 << 20  # WAL bytes that make tidy() checkpoint (module docstring)
 _CHUNK = tuple[int, int]  # (chunk id, number of records)
+_BytesRow = tuple[int, bytes, int, int, int, int]  # a JournalRow as the daemon makes it
 
 
 @cache
@@ -182,9 +184,10 @@ def _records(evictions: list[int], seals: dict[int, JournalRow],
     """The records of one commit, packed: a tombstone per block of `evictions` that was not
     sealed again since (its SEAL record supersedes the old one by itself), then a SEAL record
     per row of `seals` in order, numbered from `first_seal_seq`; and their key width (the
-    longest key; DEFAULT_KEY_WIDTH without seals). kvd/protocol/_wire.c's journal_records is the same
-    function for the usual rows, 10x faster at batch 16 (1.3 against 13.7 us, timeit)."""
-    key_width = max([len(row[1]) for row in seals.values()], default=DEFAULT_KEY_WIDTH)
+    longest key; DEFAULT_KEY_WIDTH without seals). kvd/server/_journal.c's journal_records is the
+    same function for the usual rows, 10x faster at batch 16 (1.3 against 13.7 us, timeit)."""
+    rows = cast("dict[int, _BytesRow]", seals)  # (a key of another type: struct raises)
+    key_width = max([len(row[1]) for row in rows.values()], default=DEFAULT_KEY_WIDTH)
     if key_width > MAX_KEY_NBYTES:
         raise sqlite3.DataError(f"a key of {key_width} bytes: the journal keeps at most "
                                 f"{MAX_KEY_NBYTES}")
@@ -194,12 +197,24 @@ def _records(evictions: list[int], seals: dict[int, JournalRow],
     records = [pack(seal_seq, generation, parent_generation, block_id, parent, SEAL, tier,
                     len(key), key)
                for seal_seq, (block_id, key, generation, parent, parent_generation, tier)
-               in enumerate(seals.values(), first_seal_seq)]
+               in enumerate(rows.values(), first_seal_seq)]
     if evictions:
         records[:0] = map(_tombstone_struct(key_width).pack,
                           [block_id for block_id in evictions if block_id not in seals],
                           repeat(EVICT))
     return key_width, b"".join(records)
+
+
+_c = native.load("journal")  # kvd/server/_journal.c, or None where the Python runs
+
+
+def use_c(enabled: bool) -> bool:
+    """Turn kvd/server/_journal.c on or off in this process (bench/recovery.py and the twin tests
+    compare the two in one run); returns whether it is on, which it never is where it was not
+    built or with KVD_PURE_PYTHON=1."""
+    global _c
+    _c = native.load("journal") if enabled else None
+    return _c is not None
 
 
 def _inject_failure(fail_file: str | None) -> None:
@@ -231,7 +246,8 @@ class _LogState:
         self.next_chunk_id = 1
         # Chunks appended by commits and not yet reflected in chunk_of and num_live, as
         # (chunk id, key width, records), applied by settle() in batches, so that no reply waits
-        # for them (kvd/protocol/_wire.c applies a commit's chunks at once instead: then this is empty).
+        # for them (kvd/server/_journal.c applies a commit's chunks at once instead: then this is
+        # empty).
         self.unsettled: list[tuple[int, int, bytes]] = []
         self.num_appended = 0  # records appended by commits since the last settle()
 
@@ -377,8 +393,12 @@ class Journal:
         tier), oldest first — after a failed commit lost some changes."""
         self._clear_pending()
         fresh = _LogState()
-        self._transaction(lambda: (self._db.execute("DELETE FROM log"),
-                                   self._append(fresh, [], {row[0]: row for row in rows})))
+
+        def replace_all() -> None:
+            self._db.execute("DELETE FROM log")
+            self._append(fresh, [], {row[0]: row for row in rows})
+
+        self._transaction(replace_all)
         self._log = fresh
 
     def _clear_pending(self) -> None:
@@ -418,9 +438,9 @@ class Journal:
                 seals: dict[int, JournalRow]) -> None:
         """Append tombstones, then seals, as new chunks, and bring `chunk_of` up to date with
         them: at once in C, else in the next settle()."""
-        wire = protocol.wire()
-        packed = wire.journal_records(evictions, seals, log.seal_seq + 1, DEFAULT_KEY_WIDTH) \
-            if wire is not None else None  # the usual rows packed in C, or None
+        c = _c  # (one look-up for both steps below)
+        packed = c.journal_records(evictions, seals, log.seal_seq + 1, DEFAULT_KEY_WIDTH) \
+            if c is not None else None  # the usual rows packed in C, or None
         key_width, records = packed or _records(evictions, seals, log.seal_seq + 1)
         step = MAX_CHUNK_RECORDS * (_HEADER_NBYTES + key_width)
         first_chunk_id = log.next_chunk_id
@@ -430,9 +450,9 @@ class Journal:
         log.num_appended += len(records) // (_HEADER_NBYTES + key_width)
         # In C the chunks apply at once (~0.5 us per record less than settle's NumPy pass at
         # batch 16) -- unless older ones still wait for settle(), which must apply first.
-        num_live = wire.apply_records(log.chunk_of, records, key_width, first_chunk_id,
-                                      MAX_CHUNK_RECORDS) \
-            if wire is not None and not log.unsettled else None
+        num_live = c.apply_records(log.chunk_of, records, key_width, first_chunk_id,
+                                   MAX_CHUNK_RECORDS) \
+            if c is not None and not log.unsettled else None
         if num_live is None:  # (also for a block beyond chunk_of: settle() reserves room)
             log.unsettled += written
         else:
@@ -598,15 +618,17 @@ def _scan(rows: list[tuple[int, int, bytes]]) -> tuple[IndexRows, _LogState]:
     state.num_records, state.num_live = block_ids.size, live.size
     state.seal_seq = int(seal_seqs.max(initial=0))
     state.next_chunk_id = rows[-1][0] + 1 if rows else 1
-    index_rows = IndexRows(live_ids, _keys(runs, live), picked("generation", np.uint64),
-                           picked("parent", np.int64), picked("parent_generation", np.uint64),
-                           picked("tier", np.uint8))
-    return index_rows, state
+    # NumPy columns, which IndexRows takes (its docstring) though NumPy does not type them as
+    # the Sequence[int] its fields name.
+    columns: list[Any] = [live_ids, _keys(runs, live), picked("generation", np.uint64),
+                          picked("parent", np.int64), picked("parent_generation", np.uint64),
+                          picked("tier", np.uint8)]
+    return IndexRows(*columns), state
 
 
-def _keys(runs: list[tuple[np.ndarray, np.ndarray]], positions: np.ndarray) -> list[bytes]:
+def _keys(runs: list[tuple[np.ndarray, np.ndarray]], positions: np.ndarray) -> list[Hashable]:
     """The keys of the records at `positions` (into the runs laid end to end), as bytes."""
-    keys: list[bytes] = [b""] * positions.size
+    keys: list[Hashable] = [b""] * positions.size
     offset = 0
     for records, _ in runs:
         in_run = (positions >= offset) & (positions < offset + records.size)

@@ -1,6 +1,6 @@
 """kvd/_copy.c's row scatter against NumPy's `dst[rows] = src`, which is its specification.
 
-As with kvd/protocol/_wire.c, the contract is one-sided: where `_copy.scatter_rows` returns True, dst holds
+As with kvd/protocol/_checks.c, the contract is one-sided: where `_copy.scatter_rows` returns True, dst holds
 exactly what the NumPy assignment would have written (ordinary and streaming stores alike, any
 alignment); where it returns False, dst is untouched and kvd/blockcopy.py runs NumPy. So the tests
 check both halves, and that C does answer for the writes PagedKV makes.

@@ -13,9 +13,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvd import native
+from kvd.core.policies import DEFAULT_POLICY, POLICIES, parse_tiers
 from kvd.errors import BadArgsError, DisconnectedError, KvdError
 from kvd.geometry import DTYPES, Geometry
-from kvd.core.policies import DEFAULT_POLICY, POLICIES, parse_tiers
 from kvd.protocol import codec
 from kvd.runtime import DEFAULT_NAME, DaemonPaths, runtime_dir
 
@@ -124,7 +125,7 @@ def _ready_line(started: Started) -> str:
     return (f"kvd: serving name={paths.name} socket={paths.socket_path} "
             f"segment={started.segment.name} blocks={g.num_blocks} "
             f"block_nbytes={g.block_nbytes} policy={started.service.pool.policy.name} "
-            f"codec={codec()} pid={os.getpid()}")
+            f"codec={codec()} native={native.summary()} pid={os.getpid()}")
 
 
 def _setup_logging(level: str, stream: Any) -> None:
@@ -266,6 +267,7 @@ def format_stats(stats: dict[str, Any]) -> str:
         ("requests", ", ".join(f"{op} {n}" for op, n in sorted(stats["requests"].items()))),
         ("errors", ", ".join(f"{code} {n}" for code, n in sorted(stats["errors"].items()))
          or "none"),
+        ("native modules", ", ".join(f"{name} {state}" for name, state in stats["native"].items())),
     ]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

@@ -14,8 +14,9 @@ variables; callers ask `load(name)` once at import and get the module or None.
     KVD_REQUIRE_C=1     load() raises ImportError for a module that was not built: an install that
                         silently fell back to Python fails loudly (CI sets it).
 
-`status()` says, per module, whether this process runs it ("c") or the Python ("python"); `kvd start`
-prints it in its ready line and `stats` reports it, so a build that fell back shows.
+`status()` says, per module, whether this process runs it ("native") or the Python ("python"):
+`kvd start` prints `summary()` in its ready line and `kvd stats --json` reports `status()` under
+"native", so a build that fell back shows.
 
 This module imports nothing of kvd, so every layer may use it.
 """
@@ -66,5 +67,12 @@ def load(name: str) -> ModuleType | None:
 
 
 def status() -> dict[str, str]:
-    """Per compiled module: "c" if this process runs it, "python" if it runs the Python."""
-    return {name: "python" if load(name) is None else "c" for name in MODULES}
+    """Per module of MODULES: "native" if this process runs it, "python" if it runs the Python."""
+    return {name: "python" if load(name) is None else "native" for name in MODULES}
+
+
+def summary() -> str:
+    """The modules this process runs, for the ready line: e.g. "msgspec+checks+journal", or
+    "none" where everything runs in Python (a build without a compiler, KVD_PURE_PYTHON=1)."""
+    running = [name for name, state in status().items() if state == "native"]
+    return "+".join(running) if running else "none"

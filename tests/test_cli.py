@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import kvd
-from kvd import protocol
+from kvd import native, protocol
 from kvd.runtime import DaemonPaths
 from conftest import daemon_name
 
@@ -108,6 +108,7 @@ def test_detach_status_stats_stop_round_trip():
         assert f"socket={paths.socket_path}" in started.stdout
         assert f"segment={paths.segment_name}" in started.stdout
         assert f"codec={protocol.codec()}" in started.stdout  # as built here: C unless it fell back
+        assert f"native={native.summary()}" in started.stdout  # which compiled modules run
         with kvd.connect(name) as client:
             client.alloc(3)
             status = kvd_cli("status", "--name", name)

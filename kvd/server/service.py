@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvd import protocol
+from kvd import native, protocol
 from kvd.errors import (
     BadArgsError, DeniedError, InternalError, JournalError, NoSpaceError, NotFoundError, ProtocolError, UnknownOpError,
     VersionError,
@@ -200,7 +200,8 @@ class Service:
             "geometry": self.geometry.to_dict(), "daemon_pid": os.getpid(),
             "requests": self.ops.requests(), "errors": dict(self.ops.errors),
             "journal": "failed" if self.write_error else self.journal_state,
-            "codec": codec(),  # "python" where kvd/protocol/_wire.c was not built: the slower path
+            "codec": codec(),  # "python" where msgspec is missing or turned off: the slower path
+            "native": native.status(),  # which compiled modules run (kvd/native.py)
             **self._tier_stats(),
         }
 

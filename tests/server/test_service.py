@@ -16,7 +16,7 @@ from kvd.errors import (
 from kvd.geometry import Geometry
 from kvd.hashing import hash_blocks, token_bytes
 from kvd.core.pool import BlockPool
-from kvd import protocol
+from kvd import native, protocol
 from kvd.protocol import PROTOCOL_VERSION
 from kvd.server.service import MAX_BATCH, Service
 
@@ -220,6 +220,7 @@ def test_stats_reports_the_documented_keys(h):
         assert key in stats
     assert stats["policy"] == "lru"
     assert stats["codec"] == protocol.codec()
+    assert stats["native"] == native.status() and set(stats["native"]) == set(native.MODULES)
 
 
 def test_seal_with_parents_links_the_chain_so_eviction_never_strands_a_middle(h):

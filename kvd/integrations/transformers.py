@@ -45,7 +45,9 @@ memory; `close()` drops the views first.
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,14 +96,60 @@ def check_model_fits(model: PreTrainedModel, geometry: Geometry) -> None:
             "only full-attention layers are supported")
 
 
-def model_salt(model: PreTrainedModel) -> bytes:
-    """The default hashing namespace of `model`: its full config and dtype.
+# Config keys that say where a model was loaded from, which head classes saved it, what a
+# forward returns or the dtype it was saved in (None for a model built in-process; the salt
+# takes the dtype from the model itself) — never which K/V it computes — so one model built
+# or loaded in several ways shares blocks.
+_CONFIG_KEYS_NOT_SALTED = ("_name_or_path", "architectures", "dtype", "output_attentions",
+                           "output_hidden_states", "return_dict", "use_cache")
+_SAMPLED_ELEMENTS = 64  # per parameter, evenly spaced, in the weights' fingerprint
+_Versions = tuple[tuple[int, int], ...]
+_fingerprints: weakref.WeakKeyDictionary[torch.nn.Module, tuple[_Versions, bytes]] = (
+    weakref.WeakKeyDictionary())
 
-    Two models that differ only in their weights (random initialisation, fine-tunes saved under
-    one config) must be given distinct salts, or they would share each other's blocks.
+
+def model_salt(model: PreTrainedModel) -> bytes:
+    """The default hashing namespace of `model`: its config, dtype and a fingerprint of its weights.
+
+    The config leaves out the load path and output switches (`_CONFIG_KEYS_NOT_SALTED`), so the
+    same weights loaded from two paths share blocks; the weights' fingerprint tells apart two
+    models with one config (a fine-tune and its base), which must never share K/V.
     """
-    text = f"{model.config.to_json_string(use_diff=False)}|{model.dtype}"
-    return hashlib.blake2b(text.encode(), digest_size=16, person=b"kvd-hf-salt").digest()
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    for key in _CONFIG_KEYS_NOT_SALTED:
+        config.pop(key, None)
+    digest = hashlib.blake2b(digest_size=16, person=b"kvd-hf-salt")
+    digest.update(f"{json.dumps(config, sort_keys=True)}|{model.dtype}|".encode())
+    digest.update(weights_fingerprint(model))
+    return digest.digest()
+
+
+def weights_fingerprint(model: torch.nn.Module) -> bytes:
+    """A digest of every parameter's shape, dtype and 64 evenly spaced elements.
+
+    It reads 64 elements per parameter whatever the model's size, and is remembered per model
+    until a parameter is replaced or changed in place (torch's version counter), so a training
+    step between two generations changes the salt. A change confined to elements between the
+    sampled ones goes unseen; a fine-tune changes whole matrices.
+    """
+    params = list(model.parameters())
+    try:
+        versions: _Versions | None = tuple((p.data_ptr(), p._version) for p in params)
+    except RuntimeError:  # parameters made under inference_mode have no version counter
+        versions = None
+    remembered = _fingerprints.get(model)
+    if versions is not None and remembered is not None and remembered[0] == versions:
+        return remembered[1]
+    digest = hashlib.blake2b(digest_size=16, person=b"kvd-hf-weights")
+    for param in params:
+        flat = param.detach().reshape(-1)
+        sample = flat[::max(1, flat.numel() // _SAMPLED_ELEMENTS)][:_SAMPLED_ELEMENTS]
+        digest.update(f"{tuple(param.shape)}|{param.dtype}|".encode())
+        digest.update(sample.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    fingerprint = digest.digest()
+    if versions is not None:
+        _fingerprints[model] = (versions, fingerprint)
+    return fingerprint
 
 
 def pool_tensor(client: Any) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,7 @@ else:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import kvd  # noqa: E402
-from kvd.integrations.transformers import KvdCache, generate_with_kvd  # noqa: E402
+from kvd.integrations.transformers import KvdCache, generate_with_kvd, model_salt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -185,3 +186,26 @@ def test_tokens_other_than_the_prompt_are_refused(float32_pool):
     with KvdCache(float32_pool, model, p1) as cache:
         with pytest.raises(kvd.BadArgsError, match="same input_ids"):
             model.generate(torch.tensor([p2]), cache=cache, max_new_tokens=1)
+
+
+def test_one_model_from_two_paths_shares_blocks_a_fine_tune_does_not(float32_pool, tmp_path):
+    tiny_llama("float32").save_pretrained(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    from_a = LlamaForCausalLM.from_pretrained(tmp_path / "a")
+    from_b = LlamaForCausalLM.from_pretrained(tmp_path / "b")
+    tuned = LlamaForCausalLM.from_pretrained(tmp_path / "a")  # the same config, other weights
+    with torch.no_grad():
+        for param in tuned.parameters():
+            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(4)),
+                       alpha=1e-3)
+    assert from_a.config._name_or_path != from_b.config._name_or_path
+    assert model_salt(from_a) == model_salt(from_b) == model_salt(tiny_llama("float32"))
+    p1, _ = prompts()
+    runs = [generate_with_kvd(model, float32_pool, p1, max_new_tokens=1)
+            for model in (from_a, from_b, tuned)]
+    assert [run.num_cached_tokens for run in runs] == [0, 48, 0]
+    # A weight changed in place (a training step) changes the salt of the same model object.
+    salt = model_salt(tuned)
+    with torch.no_grad():
+        next(tuned.parameters())[0, 0] += 1
+    assert model_salt(tuned) != salt

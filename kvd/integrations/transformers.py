@@ -481,21 +481,6 @@ class KvdCache(Cache):
                        row.seq.num_sealed_blocks * row.block_size, list(row.seq.block_ids))
                 for row in self._rows]
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        """Real prompt tokens of every row (pads excluded)."""
-        return sum(row.num_prompt_tokens for row in self._rows)
-
-    @property
-    def num_cached_tokens(self) -> int:
-        """Prompt tokens of every row whose K/V came from kvd."""
-        return sum(row.num_cached for row in self._rows)
-
-    @property
-    def num_computed_tokens(self) -> int:
-        """Tokens of every row whose K/V this cache computed and stored (prompt and generated)."""
-        return sum(row.num_computed_tokens for row in self.rows)
-
     def _num_columns_done(self) -> int:
         """Columns whose K/V every layer has (a forward that failed part-way left fewer in some)."""
         return min(layer.num_tokens for layer in self._layers)

@@ -183,7 +183,7 @@ def test_plain_generate_on_a_kvd_cache_then_reuse_in_process(float32_pool):
     with KvdCache(float32_pool, model, p1) as cache:  # the form, past_key_values=
         first = model.generate(torch.tensor([p1]), past_key_values=cache, **GENERATE)
     again = generate_with_kvd(model, float32_pool, p1, **GENERATE)
-    assert (cache.num_cached_tokens, again.num_cached_tokens) == (0, 48)
+    assert (cache.rows[0].num_cached_tokens, again.num_cached_tokens) == (0, 48)
     assert torch.equal(first.sequences, again.output.sequences)
 
 

@@ -11,7 +11,8 @@ Contract
   `generate` the same `input_ids` and `attention_mask`. Each row is a kvd sequence of its own
   over the row's real tokens: pads are neither hashed nor stored, so a row reuses the cached
   prefix of its own tokens whatever its padding, and seals its own blocks. Rows do not share
-  blocks they compute in the same batch (both compute them; the first to close seals them).
+  blocks they compute in the same batch: both compute them, the first row's seal is kept and
+  the other's copy freed.
   `generate_with_kvd` also takes a list of prompts of different lengths and pads them itself.
 - **Beam search** (`num_beams > 1`) is not supported and raises `kvd.BadArgsError`: beams are
   reordered in place every step, while a row's sealed blocks are shared and read-only. Use greedy
@@ -20,7 +21,8 @@ Contract
   i*k .. i*k+k-1 are prompt i's, the order generate uses); a `KvdCache` by hand must be opened on
   the repeated batch (`input_ids.repeat_interleave(k, 0)`, and the mask alike).
 - **Salts.** The default hashing namespace, `model_salt(model)`, hashes the config (but not where
-  the model was loaded from, nor output switches), the dtype, and a fingerprint of the weights
+  the model was loaded from, its head classes, saved dtype or output switches), the model's
+  dtype, and a fingerprint of the weights
   (shape, dtype and 64 evenly spaced elements of every parameter). The same weights loaded from
   two paths share blocks; a fine-tune saved with an equal config does not reuse the first
   model's K/V. Pass `salt=` to choose the namespace yourself.
@@ -70,8 +72,8 @@ would leak through a zero weight).
 Memory layout. The pool is (num_blocks, num_layers, 2, B, H, D), so viewed as rows of (H, D)
 it is one flat array where token t of a sequence has row block_ids[t // B] * (num_layers * 2 * B)
 + t % B for layer 0's keys, and layer l's keys and values are the same rows of the flat array
-shifted by 2l * B and (2l + 1) * B rows. The hook computes, once per forward, the flat row of
-every column of every row; each layer then writes its new K/V with one index_copy_ (a plain
+shifted by 2l * B and (2l + 1) * B rows. The hook computes, once per forward, the flat rows of
+the new columns of every row (of all columns on the first forward); each layer then writes its new K/V with one index_copy_ (a plain
 index for one token of one row) and reads K/V of all columns with one index_select into a
 contiguous (b, columns, H, D) copy, returned as the (b, H, columns, D) view attention wants.
 DynamicCache pays a torch.cat of the same size per layer and step, so the read costs about what
@@ -439,9 +441,9 @@ class KvdCache(Cache):
         """
         check_model_fits(model, client.geometry)
         prompt = _prompt_rows(token_ids, attention_mask)
-        pool = pool_tensor(client)
         salt = model_salt(model) if salt is None else salt
         self._rows = self._open_rows(client, prompt, salt)
+        pool = pool_tensor(client)  # after a NoSpaceError no view is left in its traceback
         self.num_prompt_columns = len(prompt[0][0]) + prompt[0][1]
         self._is_padded = any(num_pads for _, num_pads in prompt)
         self._pads = torch.tensor([[row.num_pads] for row in self._rows])

@@ -348,3 +348,11 @@ def test_a_pool_full_mid_decode_keeps_every_computed_full_block(daemon_factory, 
                                           "seq_commit", "seq_close", "seq_close", "stats"]
     assert [len(args["tokens"]) // 4 for op, args, _ in after if op == "seq_extend"] == [15, 5]
     assert len(calls[failed[0]][1]["tokens"]) // 4 == 16
+    # A batch the pool cannot open (3 x 4 uncached blocks): the rows opened before the one that
+    # failed are closed.
+    fresh = torch.randint(0, CONFIG["vocab_size"], (3, 60),
+                          generator=torch.Generator().manual_seed(9))
+    with daemon.connect() as client:
+        with pytest.raises(kvd.NoSpaceError):
+            KvdCache(client, model, fresh)
+        _assert_pool_idle(client)

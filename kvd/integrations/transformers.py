@@ -540,8 +540,8 @@ class KvdCache(Cache):
         reads, writes, skips = [], [], []
         for row in self._rows:
             first = begin - row.num_pads
-            pad = row.slots(0, 1, stride) * max(0, -first)  # a pad reads the row's token 0
-            reads.append(pad + row.slots(max(0, first), stop - row.num_pads, stride))
+            pads = row.slots(0, 1, stride) * -first if first < 0 else []  # read token 0's K/V
+            reads.append(pads + row.slots(max(0, first), stop - row.num_pads, stride))
             # Columns before num_pads + num_cached hold pads or cached tokens: not stored.
             skip = min(max(0, row.num_pads + row.num_cached - start), stop - start)
             writes += row.slots(start + skip - row.num_pads, stop - row.num_pads, stride)

@@ -6,9 +6,12 @@
 For each pool dtype (one daemon each; one process serves them all, since importing torch and
 transformers costs seconds): A generates for P1. B generates for P2 (shares P1's first 3
 blocks), then for P1 itself (the cap rule: 3 of its 4 prompt blocks are cached, the last prompt
-token must still be computed), then runs the negative control. Each run is saved as
-`<dtype>_<run>_tokens`, `..._logits` (float32) and `..._meta` (JSON). The test imports
-`tiny_llama`, `prompts` and `GENERATE` from here for its in-process DynamicCache reference.
+token must still be computed), then runs the negative control, then a left-padded batch of four
+prompts of different lengths, two of them beginning with P1's cached blocks ("batch"), then the
+batch's third prompt alone ("row2": its blocks were sealed by the batch, pads left out). Each
+run is saved as `<dtype>_<run>_tokens` (every row), `..._logits` (float32) and `..._meta`
+(JSON). The test imports `tiny_llama`, `prompts`, `batch_prompts`, `left_padded` and `GENERATE`
+from here for its in-process DynamicCache reference.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import asdict
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -53,6 +57,24 @@ def prompts() -> tuple[list[int], list[int]]:
     return p1, p1[:48] + tail
 
 
+def batch_prompts() -> list[list[int]]:
+    """Four prompts of 37, 70, 53 and 53 tokens; the second and the fourth begin with P1's
+    first 48 tokens (the 3 blocks A seals), the others share nothing."""
+    generator = torch.Generator().manual_seed(2)
+    a = torch.randint(0, CONFIG["vocab_size"], (37,), generator=generator).tolist()
+    b = torch.randint(0, CONFIG["vocab_size"], (53,), generator=generator).tolist()
+    p1, _ = prompts()
+    return [a, p1[:48] + b[:22], b, p1[:48] + a[:5]]
+
+
+def left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` padded on the left with token 0, and the attention mask (what a tokenizer gives)."""
+    width = max(len(row) for row in rows)
+    ids = torch.tensor([[0] * (width - len(row)) + row for row in rows])
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+    return ids, mask
+
+
 class EmbeddedTokens:
     """Counts the tokens each forward really runs through the model (its embedding lookups)."""
 
@@ -65,17 +87,21 @@ class EmbeddedTokens:
 
 
 def _result(output, meta: dict) -> dict[str, np.ndarray]:
-    logits = torch.cat(output.logits).float().numpy()
-    return {"tokens": output.sequences[0].numpy(), "logits": logits,
+    logits = torch.stack(output.logits).float().numpy()  # (steps, rows, vocab)
+    return {"tokens": output.sequences.numpy(), "logits": logits,
             "meta": np.array(json.dumps(meta))}
 
 
-def run(model, client, counter: EmbeddedTokens, prompt: list[int]) -> dict[str, np.ndarray]:
+def run(model, client, counter: EmbeddedTokens, prompt: list[int] | list[list[int]]
+        ) -> dict[str, np.ndarray]:
+    """generate_with_kvd on one prompt or, given a list of prompts, on their padded batch."""
     counter.per_forward.clear()
     generation = generate_with_kvd(model, client, prompt, **GENERATE)
     meta = {"num_cached_tokens": generation.num_cached_tokens,
             "num_computed_tokens": generation.num_computed_tokens,
-            "prefill_tokens": counter.per_forward[0], "block_ids": generation.block_ids}
+            "prefill_tokens": counter.per_forward[0],
+            "block_ids": generation.rows[0].block_ids,
+            "rows": [asdict(row) for row in generation.rows]}
     return _result(generation.output, meta)
 
 
@@ -91,7 +117,7 @@ def run_shifted(model, client, prompt: list[int]) -> dict[str, np.ndarray]:
     pinned = client.lookup(kvd.hash_blocks(prompt, BLOCK_SIZE, salt=model_salt(model)))
     try:
         with KvdCache(client, model, prompt) as cache:
-            cache._binding.block_table[:3] = torch.tensor(pinned[1:4])
+            cache._rows[0].seq.block_ids[:3] = pinned[1:4]
             output = model.generate(torch.tensor([prompt]), cache=cache,
                                     **{**GENERATE, "max_new_tokens": 1})
     finally:
@@ -107,7 +133,9 @@ def serve(role: str, dtype: str, daemon: str) -> dict[str, dict[str, np.ndarray]
         if role == "first":
             return {"p1": run(model, client, counter, p1)}
         return {"p2": run(model, client, counter, p2), "p1": run(model, client, counter, p1),
-                "shifted": run_shifted(model, client, p1)}
+                "shifted": run_shifted(model, client, p1),
+                "batch": run(model, client, counter, batch_prompts()),
+                "row2": run(model, client, counter, batch_prompts()[2])}
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import os
 import random
 from array import array
 from collections import Counter
-from dataclasses import replace
+from dataclasses import is_dataclass, replace
 from typing import Any
 
 import pytest
@@ -87,8 +87,11 @@ def policy_state(policy: EvictionPolicy) -> dict[str, Any]:
             return policy_state(value)
         if isinstance(value, tuple | list):
             return [plain(item) for item in value]
+        if is_dataclass(value):  # (S3-FIFO's queues)
+            return {name: plain(getattr(value, name)) for name in value.__slots__}
         return list(value.items()) if isinstance(value, dict) else value
-    return {name: plain(value) for name, value in vars(policy).items() if not callable(value)}
+    return {name: plain(value) for name, value in vars(policy).items()
+            if not callable(value) and name != "_loops"}
 
 
 def snapshot(pool: BlockPool) -> dict[str, Any]:

@@ -253,7 +253,7 @@ class BlockPool:
         self.generations = generations
         self.observer = observer
         # (the counters as a flat memoryview: bumping one costs half a NumPy scalar update)
-        self.tables = PoolTables.empty(num_blocks, memoryview(generations).cast("B").cast("Q"))
+        self.tables = PoolTables.empty(num_blocks, generations.data.cast("B").cast("Q"))
         # kvd/core/_pool.c bound to these tables, the policy and the observer, or None where the
         # Python runs alone (twin tests and bench.pool_ab set it themselves: None runs Python).
         self._loops = None if _native is None else _native.bind(self.tables, self.policy, observer)
@@ -329,7 +329,8 @@ class BlockPool:
             return None
         if not num_blocks:
             return []  # and no empty holdings entry for an owner that holds nothing
-        self._evict_for(num_blocks)
+        if self.tables.counts[NUM_FREE] < num_blocks:
+            self._evict_for(num_blocks)
         if loops is not None:
             return loops.allocate(num_blocks, owner)  # (the free list has them now)
         return self._take_free(num_blocks, owner)

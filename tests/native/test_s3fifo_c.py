@@ -40,6 +40,16 @@ class CountingLoops:
         self.loops = loops
         self.handled: Counter[str] = Counter()
 
+    def insert(self, key: Any) -> bool:
+        done = self.loops.insert(key)
+        self.handled["insert"] += done
+        return done
+
+    def hit(self, key: Any) -> bool:
+        done = self.loops.hit(key)
+        self.handled["hit"] += done
+        return done
+
     def insert_run(self, keys: list, start: int) -> int:
         position = self.loops.insert_run(keys, start)
         self.handled["insert_run"] += position - start
@@ -83,14 +93,24 @@ def run_twins(cls: type[S3FIFOPolicy], seed: int, capacity: int, num_steps: int)
             batch = fresh + back
             rng.shuffle(batch)
             batch = batch[:max(0, capacity - len(evictable) - len(pinned) + len(back))]
+            one = rng.random() < 0.3  # (a one-key release: `inserted` per key)
             for policy in (fast, pure):
-                policy.inserted_many(batch, [0] * len(batch))
+                if one:
+                    for key in batch:
+                        policy.inserted(key, 0)
+                else:
+                    policy.inserted_many(batch, [0] * len(batch))
             pinned = [key for key in pinned if key not in batch]
             evictable += batch
         elif kind == "hit" and evictable:
             batch = rng.sample(evictable, rng.randint(1, min(12, len(evictable))))
+            one = rng.random() < 0.3  # (a one-block lookup: `hit_evictable` per key)
             for policy in (fast, pure):
-                policy.hit_evictable_many(batch)
+                if one:
+                    for key in batch:
+                        policy.hit_evictable(key)
+                else:
+                    policy.hit_evictable_many(batch)
             evictable = [key for key in evictable if key not in batch]
             pinned += batch
         elif kind == "victim" and evictable:
@@ -122,8 +142,9 @@ def test_the_c_batch_loops_change_nothing_the_policy_holds(cls: type[S3FIFOPolic
     handled: Counter[str] = Counter()
     for seed in range(8):
         for capacity in (4, 32, 200):
-            handled += run_twins(cls, seed, capacity, num_steps=300)
+            handled += run_twins(cls, seed, capacity, num_steps=350)
     assert handled["insert_run"] > 1000 and handled["hit_run"] > 1000, handled
+    assert handled["insert"] > 300 and handled["hit"] > 300, handled
     assert handled["victim"] > 1000, handled
 
 

@@ -11,22 +11,22 @@ OrderedDict store, each a method call in Python. The policy keeps its queues in 
 are this file's (a renamed or retyped field raises TypeError there), and returns a `Queues`
 object whose methods do the same operations on those queues:
 
-    insert_run(keys, start) -> stop
+    insert(key) -> bool, insert_run(keys, start) -> stop
         a key coming back from `pinned` to its queue (S, or M when its packed value has IN_MAIN
         set) with its counter, and a new key that no ghost holds to S unhit;
-    hit_run(keys, start) -> stop
+    hit(key) -> bool, hit_run(keys, start) -> stop
         an evictable key leaving S or M for `pinned`, packed with its counter (plus one, up to
         MAX_FREQUENCY; in M only if count_main_hits) and IN_MAIN when it came from M;
     victim(small_target, num_small_evictions) -> (key | None, num_small_evictions)
         the whole of victim(), which has no uncommon case: with a main ghost (kvd's policy) S's
         victims are remembered with their eviction number and M's in the main ghost.
 
-A run stops *before* the first key it does not handle -- a ghost hit (its admission and
-adaptation rules are the policy's), a key in neither queue (the Python raises KeyError), a key
-that is not exact bytes (hashing it could run Python code), a value that is not a small int --
-and returns that position; the policy's Python loop does that key and calls again, so the two
-interleave into the pure loop's result key for key (tests/native/test_s3fifo_c.py compares twin
-policies). OrderedDicts are read with the dict API and changed only through the abstract object
+A one-key event returns False for, and a run stops *before*, a key it does not handle -- a ghost
+hit (its admission and adaptation rules are the policy's), a key in neither queue (the Python
+raises KeyError), a key that is not exact bytes (hashing it could run Python code), a value that
+is not a small int -- and a run returns that position; the policy's Python does that key (and
+calls again), so the two interleave into the pure loop's result key for key
+(tests/native/test_s3fifo_c.py compares twin policies). OrderedDicts are read with the dict API and changed only through the abstract object
 API (PyObject_SetItem, PyObject_DelItem, popitem), which keeps their order; assigning to a key an
 OrderedDict holds keeps its position, as in Python.
 */
@@ -276,6 +276,24 @@ static PyObject *run(Queues *self, PyObject *const *args, Py_ssize_t nargs, cons
     return PyLong_FromSsize_t(position);
 }
 
+/* One key's event, True when done, False when it leaves the key to the Python. */
+static PyObject *one(int done)
+{
+    if (done < 0)
+        return NULL;
+    return Py_NewRef(done ? Py_True : Py_False);
+}
+
+static PyObject *queues_insert(Queues *self, PyObject *key)
+{
+    return one(insert_key(self, key));
+}
+
+static PyObject *queues_hit(Queues *self, PyObject *key)
+{
+    return one(hit_key(self, key));
+}
+
 static PyObject *queues_insert_run(Queues *self, PyObject *const *args, Py_ssize_t nargs)
 {
     return run(self, args, nargs, "insert_run", insert_key);
@@ -382,6 +400,10 @@ static PyObject *queues_victim(Queues *self, PyObject *const *args, Py_ssize_t n
     {#name, (PyCFunction)(void (*)(void))queues_##name, METH_FASTCALL, doc}
 
 static PyMethodDef queues_methods[] = {
+    {"insert", (PyCFunction)queues_insert, METH_O,
+     "insert(key) -> bool: inserted(key), unless it is a ghost hit (or anything unexpected)"},
+    {"hit", (PyCFunction)queues_hit, METH_O,
+     "hit(key) -> bool: hit_evictable(key), unless anything is unexpected"},
     METHOD(insert_run, "insert_run(keys, start) -> stop: inserted_many's keys from start up to "
                        "the first ghost hit (or anything unexpected)"),
     METHOD(hit_run, "hit_run(keys, start) -> stop: hit_evictable_many's keys from start up to "

@@ -105,6 +105,8 @@ class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
         # accessed() then removed(): an M key's move to the end would be undone by its removal
         # at once, so only S keys have a reward to keep (their counter). Not S3FIFO's one-key
         # hit_evictable_many: most lookups hit one block, and its loop's setup was half the cost.
+        if self._loops is not None and self._loops.hit(key):
+            return
         count = self.queues.small.pop(key, None)
         if count is None:
             self.queues.pinned[key] = self.queues.main.pop(key) | IN_MAIN
@@ -135,18 +137,19 @@ class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
         return key
 
     def _is_ghost_hit(self, key: Hashable) -> bool:
-        evicted_as = self.queues.ghost.get(key)
+        ghost, main_ghost = self.queues.ghost, self._main_ghost
+        evicted_as = ghost.get(key)
         if evicted_as is not None:
             num_since = self._num_small_evictions - evicted_as
             if len(self.queues.small) + num_since < self.capacity:  # ARC's |T1| + |B1| <= c
-                step = max(len(self._main_ghost) / len(self.queues.ghost), 1.0)
+                step = max(len(main_ghost) / len(ghost), 1.0)
                 self.small_target = min(self.capacity - 1.0, self.small_target + step)
-            del self.queues.ghost[key]
+            del ghost[key]
             return True
-        if key in self._main_ghost:
-            step = max(len(self.queues.ghost) / len(self._main_ghost), 1.0)
+        if key in main_ghost:
+            step = max(len(ghost) / len(main_ghost), 1.0)
             self.small_target = max(1.0, self.small_target - step)
-            del self._main_ghost[key]
+            del main_ghost[key]
             return True
         return False
 

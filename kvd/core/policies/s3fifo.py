@@ -106,11 +106,14 @@ class S3FIFOPolicy(EvictionPolicy):
     def inserted(self, key: Hashable, tier: int = TIER_PREFILL) -> None:
         # A key pinned while cached goes back to its queue with its counter, a new one to M if
         # it is a ghost hit, else to S unhit.
-        packed = self.queues.pinned.pop(key, None)
+        if self._loops is not None and self._loops.insert(key):  # (the C does all but a ghost hit)
+            return
+        queues = self.queues
+        packed = queues.pinned.pop(key, None)
         if packed is None:
-            (self.queues.main if self._is_ghost_hit(key) else self.queues.small)[key] = 0
+            (queues.main if self._is_ghost_hit(key) else queues.small)[key] = 0
         else:
-            (self.queues.main if packed & IN_MAIN else self.queues.small)[key] = packed & COUNTER
+            (queues.main if packed & IN_MAIN else queues.small)[key] = packed & COUNTER
 
     def inserted_many(self, keys: Sequence[Hashable], tiers: Sequence[int]) -> None:
         # inserted() as one loop over locals, for the pool's releases (routing single inserts
@@ -163,7 +166,8 @@ class S3FIFOPolicy(EvictionPolicy):
         self.queues.pinned[key] = self.queues.main.pop(key) | IN_MAIN if count is None else count
 
     def hit_evictable(self, key: Hashable) -> None:
-        self.hit_evictable_many((key,))
+        if self._loops is None or not self._loops.hit(key):
+            self.hit_evictable_many((key,))  # (a tuple: the Python loop)
 
     def hit_evictable_many(self, keys: Sequence[Hashable]) -> None:
         small, main, pinned = self.queues.small, self.queues.main, self.queues.pinned

@@ -28,9 +28,14 @@ event. evict returns (key,) when the policy let go of a key that is not a cached
 raises InternalError naming the policy.
 
 The policy is reached through its public interface only (kvd/core/policies/base.py), its bound
-methods looked up once here; the observer's `evicted` likewise. Keys are hashed here only when
-they are exact bytes, or when the pool's own tables hold them; ids repeated in one call are found
+methods looked up once here; the observer's `evicted` likewise. A caller's keys are hashed here
+only when they are exact bytes (no Python __hash__ or __eq__ runs before a call is vouched for);
+keys the pool's tables or its policy hold are the pool's own. Ids repeated in one call are found
 with a scratch bit in their state byte (SEEN), set and cleared before anything changes.
+
+What it buys: `python -m bench.pool_ab --base python` (the pool's ops with and without the C, at
+any batch); eviction and journal_rows are measured alone by timing a full pool's allocate and
+journal_rows with and without them.
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

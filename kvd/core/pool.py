@@ -68,9 +68,10 @@ the per-block operations of allocate (from the free list), eviction, seal, looku
 and journal_rows, whole: the method asks it first, and it either does the entire call -- the
 same table changes and policy events, in the same order, as the Python below -- or declines
 before changing anything (arguments it does not vouch for: not lists, keys not exact bytes, ids
-repeated or out of range, anything that must raise), and then the Python does the call. So the
-Python is the specification (tests/native/test_pool_c.py runs twin pools, one with the module and
-one without, and compares every table and every policy event) and KVD_PURE_PYTHON=1, or a build
+repeated or out of range, anything that must raise; for allocate, a free list too short: it is
+asked again once eviction made room), and then the Python does the call. So the Python is the
+specification (tests/native/test_pool_c.py runs twin pools, one with the module and one
+without, and compares every table and every policy event) and KVD_PURE_PYTHON=1, or a build
 without the module, runs it alone. What the C buys: `python -m bench.pool_ab --base python`.
 
 Errors: expected exhaustion returns None from `allocate`; misuse by a caller (wrong owner, wrong

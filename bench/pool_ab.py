@@ -4,8 +4,8 @@ Separate runs of bench/pool.py on a shared VM drift by more than a pool change i
 bench imports kvd/core/ (pool and policies) as it was at `--base` (`git show`) as a package of
 its own, `kvd_base.core`, next to the working tree's, and drives both pools with the same
 workload in alternating chunks; only their ratio is reported. Both run this build's compiled
-modules (kvd/native.py loads them by name), so a base whose C sources differ from the working
-tree's is refused. `--base python` instead compares the working tree's pool with its compiled
+modules (kvd/native.py loads them by name), unless the base's C sources differ from the working
+tree's: then the base's are compiled into the copy and its pool loads those. `--base python` instead compares the working tree's pool with its compiled
 loops against the same pool in pure Python (KVD_PURE_PYTHON=1 while the copy is imported and
 built): what the C buys.
 
@@ -26,6 +26,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
@@ -77,25 +78,50 @@ def base_pool(revision: str, directory: str, num_blocks: int, policy: str) -> An
     """A BlockPool of kvd/core as at `revision`, imported as BASE_PACKAGE.core from
     `directory` (imports of kvd.core rewritten to it; any other stays kvd's)."""
     files = core_files(revision)
+    own_c = revision != PURE and any(
+        path.endswith((".c", ".h")) and (not (ROOT / path).is_file()
+                                         or (ROOT / path).read_text() != source)
+        for path, source in files.items())
     for path, source in files.items():
-        if path.endswith((".c", ".h")) and revision != PURE:
-            if not (ROOT / path).is_file() or (ROOT / path).read_text() != source:
-                raise SystemExit(f"{path} at {revision} differs from the working tree's: both "
-                                 "pools run this build's compiled modules, so compare against "
-                                 "a revision with the same C sources")
+        if path.endswith((".c", ".h")) and revision != PURE and not own_c:
             continue
         target = Path(directory) / BASE_PACKAGE / Path(path).relative_to("kvd")
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(re.sub(r"\b(from|import) kvd\.core\b", rf"\1 {BASE_PACKAGE}.core",
                                  source))
+    for path in files if own_c else ():
+        if path.endswith(".c"):
+            compile_module(Path(directory) / BASE_PACKAGE / Path(path).relative_to("kvd"))
     (Path(directory) / BASE_PACKAGE / "__init__.py").write_text("")
     sys.path.insert(0, directory)
     try:
-        with pure_python(revision == PURE):
+        with pure_python(revision == PURE), base_modules(own_c):
             return importlib.import_module(f"{BASE_PACKAGE}.core.pool").BlockPool(num_blocks,
                                                                                   policy)
     finally:
         sys.path.remove(directory)
+
+
+def compile_module(source: Path) -> None:
+    """The base's own C module beside its source (and its headers)."""
+    subprocess.run([sysconfig.get_config_var("CC").split()[0], "-shared", "-fPIC", "-O2",
+                    f"-I{sysconfig.get_paths()['include']}", str(source), "-o",
+                    str(source.with_suffix(sysconfig.get_config_var("EXT_SUFFIX")))], check=True)
+
+
+@contextlib.contextmanager
+def base_modules(is_own: bool) -> Iterator[None]:
+    """kvd/native.py loads the base's compiled kvd/core modules while it is imported, where it
+    has its own."""
+    saved = dict(native.MODULES)
+    if is_own:
+        for name, (module, what) in saved.items():
+            if module.startswith("kvd.core."):
+                native.MODULES[name] = (module.replace("kvd", BASE_PACKAGE, 1), what)
+    try:
+        yield
+    finally:
+        native.MODULES.update(saved)
 
 
 def run(base: str, policy: str, batch: int, num_chunks: int,

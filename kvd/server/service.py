@@ -91,15 +91,15 @@ class Service:
         self.counters = {"sessions_opened": 0, "sessions_closed": 0, "journal_commits": 0,
                          "journal_failures": 0}
         # The hot ops: (schema, whether it writes, handler of the schema's values then the
-        # session's owner id: the pool's own methods where nothing else is to do, no frame
-        # between, and its one-block requests in C where it runs them: BlockPool.hot_ops).
-        pool_ops = pool.hot_ops(self._alloc)
+        # session's owner id): the pool's own methods where nothing else is to do, no frame
+        # between (the pool does a one-block request in C where that runs).
+        seal = pool.seal
         block_ids = int_list_field("block_ids", MAX_BATCH, pool.num_blocks - 1)
         # kvd.hash_blocks makes 16-byte hashes; MAX_KEY_NBYTES leaves room for other digests.
         hashes = bytes_list_field("hashes", MAX_BATCH, MAX_KEY_NBYTES)
         self._hot: dict[str, tuple[tuple[ArgField, ...], bool, Callable[..., Any]]] = {
             "alloc": ((int_field("num_blocks", 0, min(pool.num_blocks, MAX_BATCH)),), True,
-                      pool_ops["alloc"]),
+                      self._alloc),
             # parents, optional, one per block: the hash of the block before it in its chain
             # (nil for a chain's head), which links it into the pool's prefix tree so that
             # eviction never strands a chain's middle; tiers (0 prefill, 1 decode) for --tiers.
@@ -107,9 +107,10 @@ class Service:
                       bytes_list_field("parents", MAX_BATCH, MAX_KEY_NBYTES, is_required=False,
                                        allow_nil=True),
                       int_list_field("tiers", MAX_BATCH, len(TIER_NAMES) - 1, is_required=False)),
-                     True, pool_ops["seal"]),
-            "lookup": ((hashes,), False, pool_ops["lookup"]),
-            "release": ((block_ids,), False, pool_ops["release"]),
+                     True, lambda block_ids, keys, parents, tiers, owner:  # (the wire's order)
+                         seal(block_ids, keys, owner, parents, tiers)),
+            "lookup": ((hashes,), False, pool.lookup),
+            "release": ((block_ids,), False, pool.release),
             "pin": ((block_ids,), False, pool.pin),
         }
         self._ops: dict[str, Callable[[Session, dict[str, Any]], Any]] = {

@@ -539,13 +539,13 @@ def test_generation_bumps_every_time_a_block_returns_to_free(policy):
 
 # ---- the checker itself ----------------------------------------------------------------------
 @pytest.mark.parametrize("corrupt, match", [
-    (lambda p: p._refs.__setitem__(0, 2), "ref count differs"),
-    (lambda p: p._state.__setitem__(1, 0), "state counts"),
-    (lambda p: p._hashes.__setitem__(0, None), "pinned and hashed"),
-    (lambda p: p._index.__setitem__(b"ghost", 2), "does not hold it"),
-    (lambda p: p._free.append(2), "state counts|free list"),
+    (lambda p: p.tables.refs.__setitem__(0, 2), "ref count differs"),
+    (lambda p: p.tables.state.__setitem__(1, 0), "state counts"),
+    (lambda p: p.tables.hashes.__setitem__(0, None), "pinned and hashed"),
+    (lambda p: p.tables.index.__setitem__(b"ghost", 2), "does not hold it"),
+    (lambda p: p.tables.counts.__setitem__(0, p.num_free + 1), "state counts|free list"),
     (lambda p: p.policy.removed(b"c"), "evictable|state counts"),
-    (lambda p: p._is_duplicate.__setitem__(0, 1), "duplicate"),
+    (lambda p: p.tables.is_duplicate.__setitem__(0, 1), "duplicate"),
 ])
 def test_check_invariants_catches_corruption(corrupt, match):
     pool = BlockPool(4)
@@ -563,7 +563,7 @@ def test_check_invariants_catches_a_duplicate_that_is_not_marked():
     original, duplicate = pool.allocate(2, A)
     assert pool.seal([original, duplicate], [b"k", b"k"], A) == [True, False]
     pool.check_invariants()
-    pool._is_duplicate[duplicate] = 0  # its release would cache it under the original's hash
+    pool.tables.is_duplicate[duplicate] = 0  # its release would cache it under the original's hash
     with pytest.raises(InternalError, match="duplicate"):
         pool.check_invariants()
 
@@ -571,7 +571,7 @@ def test_check_invariants_catches_a_duplicate_that_is_not_marked():
 def test_check_invariants_catches_a_non_free_block_on_the_free_list():
     pool = BlockPool(3)
     (owned,) = pool.allocate(1, A)
-    pool._free[0] = owned  # counts still match; a free block is missing from the list instead
+    pool.tables.free[0] = owned  # counts still match; a free block is missing from the list instead
     with pytest.raises(InternalError, match="free list"):
         pool.check_invariants()
 

@@ -1,11 +1,12 @@
-"""kvd/core/_pool.c against kvd/core/pool.py's Python loops, which are its specification.
+"""kvd/core/_pool.c against kvd/core/pool.py's Python, which is its specification.
 
-Two pools -- one with the C loops, one without -- take the same random operations (allocations,
-seals with and without parents and tiers, duplicates, lookups, pins, releases, dead owners, chosen
-victims, and misuse: unknown ids, ids named twice, bools, foreign owners, keys that are not bytes)
-and must answer alike (results and error messages) and end every step with equal tables, equal
-policy state and equal invariants. A counting wrapper around the module checks that its fast
-paths really did the work, so the comparison cannot pass by the C side declining everything.
+Two pools -- one with the C bound to its tables, one without -- take the same random operations
+(allocations, seals with and without parents and tiers, duplicates, lookups, pins, releases, dead
+owners, chosen victims, and misuse: unknown ids, ids named twice, bools, foreign owners, keys that
+are not bytes) and must answer alike (results and error messages) and end every step with equal
+tables, equal policy state, equal observer logs and equal invariants. A counting wrapper around
+the bound object checks that the C really did the work (it may decline any call, and the Python
+then does it), so the comparison cannot pass by the C side declining everything.
 """
 
 from __future__ import annotations
@@ -14,102 +15,68 @@ import os
 import random
 from array import array
 from collections import Counter
+from dataclasses import is_dataclass, replace
 from typing import Any
 
 import pytest
 
 from kvd.core import pool as pool_module
-from kvd.errors import InternalError, JournalError, KvdError
+from kvd.errors import JournalError, KvdError
 from kvd.core.policies import EvictionPolicy, make_policy
-from kvd.core.pool import BlockPool, IndexRows
+from kvd.core.pool import BlockPool, IndexRows, PoolTables
 
-loops = pool_module._built_loops  # (tests call it directly: KVD_PURE_PYTHON only turns its use off)
+native = pool_module._built_native  # (tests bind it directly: KVD_PURE_PYTHON only turns its use off)
 
 
 def test_the_module_is_built_where_ci_needs_it() -> None:
     """.ci/run sets KVD_REQUIRE_C=1: an install that silently fell back to Python fails there."""
-    if loops is None and os.environ.get("KVD_REQUIRE_C") != "1":
+    if native is None and os.environ.get("KVD_REQUIRE_C") != "1":
         pytest.skip("kvd/core/_pool.c is not built here and KVD_REQUIRE_C is not set")
-    assert loops is not None, "KVD_REQUIRE_C=1 but kvd/core/_pool.c was not built (see pip's output)"
+    assert native is not None, "KVD_REQUIRE_C=1 but kvd/core/_pool.c was not built (see pip's output)"
     if os.environ.get("KVD_PURE_PYTHON") != "1":
-        assert BlockPool(4)._loops is loops
+        assert BlockPool(4)._loops is not None
 
 
-needs_c = pytest.mark.skipif(loops is None, reason="kvd/core/_pool.c is not built")
+needs_c = pytest.mark.skipif(native is None, reason="kvd/core/_pool.c is not built")
 
 
 class CountingLoops:
-    """kvd._pool, counting the blocks each function handled (a run's stop minus its start)."""
+    """A pool's bound kvd._pool.Loops, counting per operation the calls it did whole (those it
+    did not decline) and the blocks or keys they named."""
 
-    def __init__(self) -> None:
+    def __init__(self, loops: Any) -> None:
+        self.loops = loops
         self.handled: Counter[str] = Counter()
 
-    def own(self, block_ids: list[int], *tables: Any) -> bool:
-        done = loops.own(block_ids, *tables)
-        self.handled["own"] += len(block_ids) if done else 0
-        return done
+    def _count(self, name: str, answer: Any, size: int) -> Any:
+        if answer is not None and answer is not False:
+            self.handled[name] += size
+            self.handled[f"{name} one"] += size == 1
+        return answer
 
-    def prefix(self, index: dict, keys: list) -> list[int] | None:
-        found = loops.prefix(index, keys)
-        self.handled["prefix"] += len(found) if found is not None else 0
-        return found
+    def allocate(self, num_blocks: Any, owner: int) -> Any:
+        answer = self.loops.allocate(num_blocks, owner)
+        return self._count("allocate", answer, len(answer) if answer else 0)
 
-    def first_unsealable(self, block_ids: list[int], *tables: Any) -> int:
-        position = loops.first_unsealable(block_ids, *tables)
-        self.handled["first_unsealable"] += position
-        return position
+    def evict(self, num_needed: int) -> Any:
+        answer = self.loops.evict(num_needed)  # (the blocks: counted in the observer's log)
+        self.handled["evict"] += answer is None
+        return answer
 
-    def seal_run(self, block_ids: list[int], keys: list, start: int, *tables: Any) -> int:
-        position = loops.seal_run(block_ids, keys, start, *tables)
-        self.handled["seal_run"] += position - start
-        return position
+    def seal(self, block_ids: Any, keys: Any, *args: Any) -> Any:
+        return self._count("seal", self.loops.seal(block_ids, keys, *args), len(block_ids))
 
-    def pin_run(self, block_ids: list[int], start: int, *tables: Any) -> tuple[int, int]:
-        position, num_hits = loops.pin_run(block_ids, start, *tables)
-        self.handled["pin_run"] += position - start
-        return position, num_hits
+    def lookup(self, keys: Any, owner: int) -> Any:
+        return self._count("lookup", self.loops.lookup(keys, owner), len(keys))
 
-    def evict_run(self, num_needed: int, victim: Any, evicted: Any, freed: list[int],
-                  *tables: Any) -> tuple | None:
-        try:
-            return loops.evict_run(num_needed, victim, evicted, freed, *tables)
-        finally:
-            self.handled["evict_run"] += len(freed)
+    def pin(self, block_ids: Any, owner: int) -> Any:
+        return self._count("pin", self.loops.pin(block_ids, owner), len(block_ids))
 
-    def journal_rows(self, block_ids: list[int], *tables: Any) -> list | None:
-        rows = loops.journal_rows(block_ids, *tables)
-        self.handled["journal_rows"] += len(rows) if rows is not None else 0
-        return rows
+    def release(self, block_ids: Any, owner: int) -> Any:
+        return self._count("release", self.loops.release(block_ids, owner), len(block_ids))
 
-    def unpin_run(self, block_ids: list[int], start: int, *tables: Any) -> tuple[int, int]:
-        position, num_cached = loops.unpin_run(block_ids, start, *tables)
-        self.handled["unpin_run"] += position - start
-        return position, num_cached
-
-    def _one(self, name: str, tables: tuple, *args: Any) -> Any:
-        """A one-block request, counted when C did it (not its method, tables[1])."""
-        fell_back: list[bool] = []
-        method = tables[1]
-
-        def counted_method(*args: Any) -> Any:
-            fell_back.append(True)
-            return method(*args)
-        try:
-            return getattr(loops, name)((tables[0], counted_method, *tables[2:]), *args)
-        finally:
-            self.handled[name] += not fell_back
-
-    def alloc_one(self, tables: tuple, num_blocks: Any, owner: int) -> Any:
-        return self._one("alloc_one", tables, num_blocks, owner)
-
-    def release_one(self, tables: tuple, block_ids: Any, owner: int) -> Any:
-        return self._one("release_one", tables, block_ids, owner)
-
-    def lookup_one(self, tables: tuple, keys: Any, owner: int) -> Any:
-        return self._one("lookup_one", tables, keys, owner)
-
-    def seal_one(self, tables: tuple, *args: Any) -> Any:
-        return self._one("seal_one", tables, *args)
+    def journal_rows(self, block_ids: Any) -> Any:
+        return self._count("journal_rows", self.loops.journal_rows(block_ids), len(block_ids))
 
 
 def policy_state(policy: EvictionPolicy) -> dict[str, Any]:
@@ -120,24 +87,27 @@ def policy_state(policy: EvictionPolicy) -> dict[str, Any]:
             return policy_state(value)
         if isinstance(value, tuple | list):
             return [plain(item) for item in value]
+        if is_dataclass(value):  # (S3-FIFO's queues)
+            return {name: plain(getattr(value, name)) for name in value.__slots__}
         return list(value.items()) if isinstance(value, dict) else value
-    return {name: plain(value) for name, value in vars(policy).items() if not callable(value)}
+    return {name: plain(value) for name, value in vars(policy).items()
+            if not callable(value) and name != "_loops"}
 
 
 def snapshot(pool: BlockPool) -> dict[str, Any]:
     """Everything the pool and its policy hold, as plain values (queue orders included)."""
+    t = pool.tables
+    plain = {name: list(getattr(t, name)) for name in (
+        "refs", "hashes", "parent", "first_child", "next_sibling", "prev_sibling", "generations",
+        "counts")}
     return {
-        "state": bytes(pool._state), "refs": list(pool._refs), "hashes": list(pool._hashes),
-        "free": list(pool._free), "index": list(pool._index.items()),
-        # (as sets: the order of an owner's pins means nothing, and the C loops update a pin
-        # count in place where Python pops and re-inserts it)
-        "held": {owner: sorted(held.items()) for owner, held in pool._held.items()},
-        "tier": bytes(pool._tier), "orphan": bytes(pool._is_orphan),
-        "duplicate": bytes(pool._is_duplicate), "parent": list(pool._parent),
-        "first_child": list(pool._first_child), "next_sibling": list(pool._next_sibling),
-        "prev_sibling": list(pool._prev_sibling), "generations": pool.generations.tolist(),
-        "counts": (pool.num_owned, pool.num_sealed, pool.num_cached, pool._next_victim),
-        "counters": dict(pool.counters), "policy": policy_state(pool.policy),
+        **plain, "state": bytes(t.state), "tier": bytes(t.tier), "orphan": bytes(t.is_orphan),
+        "duplicate": bytes(t.is_duplicate), "free": list(t.free[:pool.num_free]),
+        "index": list(t.index.items()),
+        # (as sets: the order of an owner's pins means nothing, and the C updates a pin count in
+        # place where Python pops and re-inserts it)
+        "held": {owner: sorted(held.items()) for owner, held in t.held.items()},
+        "policy": policy_state(pool.policy),
     }
 
 
@@ -154,13 +124,13 @@ class Driver:
     def __init__(self, rng: random.Random, num_blocks: int, num_keys: int,
                  one_block_share: float = 0.0) -> None:
         self.rng, self.num_blocks = rng, num_blocks
-        self.one_block_share = one_block_share  # requests made of one block (hot_ops' own)
+        self.one_block_share = one_block_share  # requests made of one block (a worker's traffic)
         self.keys: list[Any] = [b"key-%d" % i for i in range(num_keys)]
         self.keys += [("tuple-key", i) for i in range(3)]  # the embedded API allows any hashable
 
     def some_ids(self, pool: BlockPool, owner: int) -> list[Any]:
         rng = self.rng
-        held = list(pool._held.get(owner, {}))
+        held = list(pool.tables.held.get(owner, {}))
         ids = rng.sample(held, rng.randint(0, len(held))) if held else []
         if held and rng.random() < self.one_block_share:
             ids = [rng.choice(held)]
@@ -198,7 +168,7 @@ class Driver:
         if kind in ("release", "pin"):
             ids = self.some_ids(pool, owner)
             if kind == "pin" and rng.random() < 0.5:  # share someone else's sealed blocks
-                ids = [b for b in range(self.num_blocks) if pool._state[b] >= 2]
+                ids = [b for b in range(self.num_blocks) if pool.tables.state[b] >= 2]
                 ids = rng.sample(ids, min(len(ids), rng.randint(0, 8)))
             return kind, (ids, owner)
         if kind == "lookup":
@@ -227,27 +197,21 @@ class RecordingObserver:
 
 
 def run_twins(policy: str, seed: int, num_ops: int, num_blocks: int = 48,
-              fail_at: int | None = None, one_block_share: float = 0.0) -> CountingLoops:
+              fail_at: int | None = None, one_block_share: float = 0.0) -> Counter[str]:
     """`policy`: a registered name, or "tiered" (prefill and decode tiers, kvd's policy in each).
-    With `fail_at`, the observer raises at that eviction: the run ends there, after comparing.
-    The C pool takes allocate, release and lookup through its hot_ops (the Service's path), the
-    Python one through its methods."""
+    With `fail_at`, the observer raises at that eviction: the run ends there, after comparing."""
     rng = random.Random(seed)
     tiers = "prefill=0.6,decode=0.4" if policy == "tiered" else None
     observers = [RecordingObserver(fail_at), RecordingObserver(fail_at)]
     fast, pure = (BlockPool(num_blocks, make_policy("kvd" if tiers else policy, num_blocks, tiers),
                             observer=observer) for observer in observers)
-    counting = CountingLoops()
+    counting = CountingLoops(native.bind(fast.tables, fast.policy, fast.observer))
     fast._loops, pure._loops = counting, None
-    hot = {kind: fast.hot_ops(fast.allocate)[op] for kind, op in (
-        ("allocate", "alloc"), ("release", "release"), ("lookup", "lookup"), ("seal", "seal"))}
     driver = Driver(rng, num_blocks, num_keys=num_blocks + num_blocks // 2,
                     one_block_share=one_block_share)
     for step in range(num_ops):
         kind, args = driver.operation(pure)
-        # (the hot seal takes the wire's order: block_ids, keys, parents, tiers, owner)
-        hot_args = (*args[:2], *args[3:], args[2]) if kind == "seal" else args
-        results = [outcome(lambda: hot.get(kind, getattr(fast, kind))(*hot_args)),
+        results = [outcome(lambda: getattr(fast, kind)(*args)),
                    outcome(lambda: getattr(pure, kind)(*args))]
         context = f"{policy} seed {seed} step {step}: {kind}{args}"
         assert results[0] == results[1], context
@@ -258,109 +222,106 @@ def run_twins(policy: str, seed: int, num_ops: int, num_blocks: int = 48,
             break  # (a half-done eviction breaks the invariants, alike in both)
         fast.check_invariants()
     counting.handled["evictions"] = sum(entry[0] == "evicted" for entry in observers[1].log)
-    return counting
+    return counting.handled
 
 
 @needs_c
 def test_a_journal_that_raises_mid_eviction_leaves_both_pools_alike() -> None:
     for seed in range(3):
-        num_evictions = run_twins("kvd", seed, num_ops=400).handled["evictions"]
+        num_evictions = run_twins("kvd", seed, num_ops=400)["evictions"]
         assert num_evictions > 10
         for fail_at in (1, 2, num_evictions // 2, num_evictions):
-            assert run_twins("kvd", seed, num_ops=400, fail_at=fail_at).handled["journal failed"]
+            assert run_twins("kvd", seed, num_ops=400, fail_at=fail_at)["journal failed"]
 
 
 @needs_c
 @pytest.mark.parametrize("policy", ["kvd", "s3fifo", "lru", "arc", "lfu", "sieve", "tiered"])
-def test_the_c_loops_change_nothing_a_policy_or_the_pool_can_see(policy: str) -> None:
+def test_the_c_changes_nothing_a_policy_or_the_pool_can_see(policy: str) -> None:
     handled: Counter[str] = Counter()
     for seed in range(6):
-        handled += run_twins(policy, seed, num_ops=400).handled
-    for function in ("own", "prefix", "first_unsealable", "seal_run", "pin_run", "unpin_run",
-                     "evict_run", "journal_rows"):
-        assert handled[function] > 100, (function, handled)  # the C side did real work
+        handled += run_twins(policy, seed, num_ops=400)
+    for operation in ("allocate", "seal", "lookup", "pin", "release", "journal_rows"):
+        assert handled[operation] > 100, (operation, handled)  # the C side did real work
+    assert handled["evict"] > 20 and handled["evictions"] > 100, handled
 
 
 @needs_c
 @pytest.mark.parametrize("policy", ["kvd", "s3fifo", "lru", "tiered"])
 def test_one_block_requests_in_c_change_nothing_a_policy_or_the_pool_can_see(policy: str) -> None:
-    """Mostly one-block requests, as a worker's traffic: hot_ops' C does them whole."""
+    """Mostly one-block requests, as a worker's traffic."""
     handled: Counter[str] = Counter()
     for seed in range(6):
-        handled += run_twins(policy, seed, num_ops=600, one_block_share=0.8).handled
-    for function in ("alloc_one", "seal_one", "release_one", "lookup_one"):
-        assert handled[function] > 50, (function, handled)  # (the rest were Python's to do)
+        handled += run_twins(policy, seed, num_ops=600, one_block_share=0.8)
+    for operation in ("allocate", "seal", "release", "lookup"):
+        assert handled[f"{operation} one"] > 50, (operation, handled)
 
 
-def test_hot_ops_come_after_restore_and_see_what_it_restored() -> None:
+@needs_c
+def test_the_c_sees_what_restore_restored() -> None:
     source = BlockPool(16)
     ids = source.allocate(3, owner=1)
     source.seal(ids, [b"a", b"b", b"c"], owner=1, parents=[None, b"a", b"b"])
     source.release(ids, owner=1)
     rows = IndexRows(*map(list, zip(*source.journal_rows())))
     pool = BlockPool(16)
+    pool._loops = counting = CountingLoops(native.bind(pool.tables, pool.policy, None))
     assert pool.restore(rows) == 3
-    events = pool.policy.c_events
-    assert events is None or events[1] is pool.policy._small  # (None: KVD_PURE_PYTHON=1)
-    lookup = pool.hot_ops(pool.allocate)["lookup"]
-    assert lookup([b"c"], 2) == [ids[2]] and pool.state(ids[2]) == "sealed"
+    assert pool.lookup([b"c"], 2) == [ids[2]] and pool.state(ids[2]) == "sealed"
+    assert counting.handled["lookup"] == 1
     assert pool.ref_count(ids[2]) == 1 and b"c" not in pool.policy
     pool.check_invariants()
-    late = BlockPool(16)
-    late.hot_ops(late.allocate)
-    with pytest.raises(InternalError, match="before hot_ops"):
-        late.restore(rows)
 
 
 @needs_c
-def test_a_run_stops_before_a_block_it_must_leave_to_python() -> None:
-    """The stop is the first such block, and nothing of it has changed."""
+def test_a_table_renamed_retyped_or_resized_fails_at_bind() -> None:
+    """The contract is checked once, loudly: a pool change the C does not know cannot run."""
     pool = BlockPool(8, "lru")
-    ids = pool.allocate(4, owner=1)
-    pool.seal(ids[:2], [b"a", b"b"], owner=1)
-    held, before = pool._held[1], snapshot(pool)
-    order = [ids[1], ids[0], ids[2]]  # two sealed, then an OWNED block (freed: Python's)
-    cached_keys: list = []
-    position, num_cached = loops.unpin_run(order, 0, held, pool._state, pool._refs, pool._hashes,
-                                           pool._tier, pool._is_orphan, pool._is_duplicate,
-                                           cached_keys, [])
-    assert (position, num_cached, cached_keys) == (2, 2, [b"b", b"a"])
-    assert pool._state[ids[2]] == 1 and held[ids[2]] == 1 and before["held"][1][2:] == [(ids[2], 1), (ids[3], 1)]
-    for bad in ([ids[0], 8], [ids[0], -1], [ids[0], True], [ids[0], 2**70], [ids[0], 1.0]):
-        assert loops.first_unsealable(bad, [b"x", b"y"], held, pool._state) in (0, 1)
-    assert loops.own([pool._free[-1], 8], {}, pool._state, pool._refs) is False
-    assert loops.prefix({b"a": 0}, (b"a",)) is None  # only lists
-    with pytest.raises(ValueError, match="start"):
-        loops.pin_run([1], 2, {}, pool._state, pool._refs, pool._hashes, -1, True, [])
-    with pytest.raises(TypeError, match="takes 4 arguments"):
-        loops.own([])
+    policy, tables = pool.policy, pool.tables
+    for field, wrong in (("refs", [0] * 8), ("state", bytes(8)), ("parent", array("q", [0] * 8)),
+                         ("free", array("q", [0] * 7)), ("hashes", (None,) * 8),
+                         ("index", list(tables.index)), ("counts", array("q", [0] * 3))):
+        with pytest.raises(TypeError, match=field):
+            native.bind(replace(tables, **{field: wrong}), policy, None)
+
+    class Renamed(PoolTables):  # (a slot renamed: the C names what it misses)
+        __slots__ = ()
+        COUNT_NAMES = ("free", "owned", "sealed", "chosen", *PoolTables.COUNT_NAMES[4:])
+    with pytest.raises(TypeError, match="COUNT_NAMES"):
+        native.bind(Renamed(**{name: getattr(tables, name) for name in PoolTables.__slots__}),
+                    policy, None)
+    with pytest.raises(AttributeError, match="inserted"):  # (not a policy)
+        native.bind(tables, object(), None)
+    bound = native.bind(tables, policy, None)
+    with pytest.raises(BufferError):
+        tables.state.append(0)  # (a table it holds cannot be resized under it)
+    del bound
 
 
 @needs_c
-def test_tables_of_the_wrong_shape_stop_every_run_at_its_start() -> None:
+def test_the_c_declines_what_it_does_not_vouch_for_and_changes_nothing() -> None:
     pool = BlockPool(8, "lru")
-    ids = pool.allocate(2, owner=1)
-    short = bytearray(4)
-    held = pool._held[1]
-    assert loops.own([pool._free[-1]], {}, short, pool._refs) is False
-    assert loops.first_unsealable(ids, [b"a", b"b"], held, bytes(pool._state)) == 0
-    links = (pool._parent, pool._first_child, pool._next_sibling, pool._prev_sibling)
-    tables = (pool._tier, pool._is_duplicate, pool._is_orphan, pool._index)
-    assert loops.seal_run(ids, [b"a", b"b"], 0, None, None, pool._state, pool._hashes[:4],
-                          *tables, links, []) == 0
-    assert loops.seal_run(ids, [b"a"], 0, None, None, pool._state, pool._hashes, *tables, links,
-                          []) == 0
-    for bad_links in (links[:3], (*links[:3], bytearray(32)), (*links[:3], array("q", [0] * 8)),
-                      (*links[:3], links[3][:4]), None):  # a parent to link: stop there
-        assert loops.seal_run(ids, [b"a", b"b"], 0, None, [None, b"a"], pool._state,
-                              pool._hashes, *tables, bad_links, []) == 1
-        pool._state[ids[0]], pool._hashes[ids[0]] = 1, None  # (undo the first block's seal)
-        del pool._index[b"a"]
-    assert loops.pin_run(ids, 0, held, pool._state, tuple(pool._refs), pool._hashes, -1, False,
-                         []) == (0, 0)
-    assert loops.unpin_run(ids, 0, held, pool._state, pool._refs, pool._hashes, short,
-                           pool._is_orphan, pool._is_duplicate, [], []) == (0, 0)
-    assert pool.state(ids[0]) == "owned" and not pool._index
+    loops = native.bind(pool.tables, pool.policy, None)
+    ids = pool.allocate(3, owner=1)
+    pool.seal(ids[:1], [b"a"], owner=1)
+    before = snapshot(pool)
+    assert loops.allocate(True, 1) is None and loops.allocate(9, 1) is None
+    assert loops.allocate(0, 1) is None and loops.allocate(2**70, 1) is None
+    assert loops.seal([ids[0]], [b"x"], None, None, 1) is None  # sealed already
+    for bad in ([ids[1], ids[1]], [ids[1], 8], [ids[1], -1], [ids[1], True], (ids[1],),
+                [ids[1], 2**70]):
+        assert loops.seal(bad, [b"x"] * len(bad), None, None, 1) is None, bad
+        assert loops.release(bad, 1) is False and loops.pin(bad, 1) is False
+    assert loops.seal([ids[1]], [("t",)], None, None, 1) is None  # a key that is not bytes
+    assert loops.seal([ids[1]], [b"x"], [("t",)], None, 1) is None
+    for tier in (2, -1, True, 1.0):
+        assert loops.seal([ids[1]], [b"x"], None, [tier], 1) is None
+    assert loops.seal([ids[1]], [b"x"], None, None, 2) is None  # not its owner's
+    assert loops.release([ids[0], ids[0]], 1) is False  # named twice: Python counts pins
+    assert loops.lookup([b"a", ("t",)], 1) is None and loops.lookup((b"a",), 1) is None
+    assert loops.journal_rows([ids[0], 8]) is None
+    assert snapshot(pool) == before
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        loops.release([])
 
 
 @needs_c

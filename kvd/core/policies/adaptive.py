@@ -62,7 +62,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
-from kvd.core.policies.s3fifo import _loops, IN_MAIN, MAX_FREQUENCY, S3FIFOPolicy
+from kvd.core.policies.s3fifo import _native, IN_MAIN, MAX_FREQUENCY, S3FIFOPolicy, S3FIFOQueues
 
 # S's share before any ghost evidence: the top of the 5-20% range S3-FIFO's sensitivity study finds
 # flat, because ARC's steps shrink S at least as fast as they grow it (theory of operation).
@@ -77,18 +77,27 @@ class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity, START_SHARE)
         self.small_target = float(self.small_target)
-        self._ghost_limit = capacity
-        self._ghost: OrderedDict[Hashable, int]  # S's victims → their eviction number
         self._num_small_evictions = 0
-        self._main_ghost: OrderedDict[Hashable, None] = OrderedDict()
-        self._loops = _loops if type(self) is AdaptiveS3FIFOPolicy else None  # (as S3FIFOPolicy's)
-        self.c_events = self._c_events(count_main_hits=False)  # (M's hits are its moves)
+        self._loops = (None if _native is None or type(self) is not AdaptiveS3FIFOPolicy
+                       else _native.bind(self.queues))  # (as S3FIFOPolicy's)
+
+    def _make_queues(self, capacity: int) -> S3FIFOQueues:
+        # S's ghost maps its victims to their eviction number; M's hits are its moves.
+        return S3FIFOQueues(small=OrderedDict(), main=OrderedDict(), pinned={},
+                            ghost=OrderedDict(), main_ghost=OrderedDict(), ghost_limit=capacity,
+                            count_main_hits=False)
+
+    @property
+    def _main_ghost(self) -> OrderedDict[Hashable, None]:
+        main_ghost = self.queues.main_ghost
+        assert main_ghost is not None  # (this policy's queues always have one: _make_queues)
+        return main_ghost
 
     def accessed(self, key: Hashable) -> None:
-        if key in self._main:
-            self._main.move_to_end(key)  # M is LRU: the move is the hit's whole reward
+        if key in self.queues.main:
+            self.queues.main.move_to_end(key)  # M is LRU: the move is the hit's whole reward
         else:
-            packed = self._pinned.get(key)
+            packed = self.queues.pinned.get(key)
             if packed is None or not packed & IN_MAIN:  # a pinned M key moves when released
                 super().accessed(key)  # a key in S: its counter earns promotion
 
@@ -96,18 +105,19 @@ class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
         # accessed() then removed(): an M key's move to the end would be undone by its removal
         # at once, so only S keys have a reward to keep (their counter). Not S3FIFO's one-key
         # hit_evictable_many: most lookups hit one block, and its loop's setup was half the cost.
-        count = self._small.pop(key, None)
+        if self._loops is not None and self._loops.hit(key):
+            return
+        count = self.queues.small.pop(key, None)
         if count is None:
-            self._pinned[key] = self._main.pop(key) | IN_MAIN
+            self.queues.pinned[key] = self.queues.main.pop(key) | IN_MAIN
         else:  # (a branch, not min(): a builtin call per key is measurable at batch 256)
-            self._pinned[key] = count + 1 if count < MAX_FREQUENCY else count
+            self.queues.pinned[key] = count + 1 if count < MAX_FREQUENCY else count
 
     def hit_evictable_many(self, keys: Sequence[Hashable]) -> None:
         loops, position, end = self._loops, 0, len(keys)
         while position < end:
             if loops is not None:  # hit_evictable's work (M's counters are not counted here)
-                position = loops.hit_run(keys, position, self._small, self._main, self._pinned,
-                                         IN_MAIN, MAX_FREQUENCY, False)
+                position = loops.hit_run(keys, position)
                 if position == end:
                     break
             self.hit_evictable(keys[position])  # (where C declines, or is not built)
@@ -116,33 +126,30 @@ class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
     def victim(self) -> Hashable | None:
         if self._loops is None:
             return super().victim()
-        key, self._num_small_evictions = self._loops.victim(
-            self._small, self._main, self._ghost, self._main_ghost, self.small_target,
-            self._ghost_limit, self._num_small_evictions)
+        key, self._num_small_evictions = self._loops.victim(self.small_target,
+                                                            self._num_small_evictions)
         return key
 
     def _evict_to_ghost(self, key: Hashable) -> Hashable:
         super()._evict_to_ghost(key)
         self._num_small_evictions += 1
-        self._ghost[key] = self._num_small_evictions  # same position: assignment keeps order
+        self.queues.ghost[key] = self._num_small_evictions  # same position: assignment keeps order
         return key
 
-    def _ghosts(self) -> tuple[OrderedDict, ...]:
-        return (self._ghost, self._main_ghost)
-
     def _is_ghost_hit(self, key: Hashable) -> bool:
-        evicted_as = self._ghost.get(key)
+        ghost, main_ghost = self.queues.ghost, self._main_ghost
+        evicted_as = ghost.get(key)
         if evicted_as is not None:
             num_since = self._num_small_evictions - evicted_as
-            if len(self._small) + num_since < self.capacity:  # ARC's |T1| + |B1| <= c
-                step = max(len(self._main_ghost) / len(self._ghost), 1.0)
+            if len(self.queues.small) + num_since < self.capacity:  # ARC's |T1| + |B1| <= c
+                step = max(len(main_ghost) / len(ghost), 1.0)
                 self.small_target = min(self.capacity - 1.0, self.small_target + step)
-            del self._ghost[key]
+            del ghost[key]
             return True
-        if key in self._main_ghost:
-            step = max(len(self._ghost) / len(self._main_ghost), 1.0)
+        if key in main_ghost:
+            step = max(len(ghost) / len(main_ghost), 1.0)
             self.small_target = max(1.0, self.small_target - step)
-            del self._main_ghost[key]
+            del main_ghost[key]
             return True
         return False
 

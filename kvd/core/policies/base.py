@@ -55,11 +55,6 @@ class EvictionPolicy(ABC):
     """Orders evictable keys and chooses victims. Subclasses are named after the literature."""
 
     name: ClassVar[str]
-    # The queues through which kvd/core/_pool.c's one-block requests may do `inserted` and
-    # `hit_evictable` themselves (S3-FIFO's layout, kvd/core/policies/_s3fifo_keys.h); None: they
-    # call the methods. A policy that offers them replaces those objects only in `restored`
-    # (making c_events anew), which the pool runs before it binds them (BlockPool.hot_ops).
-    c_events: tuple | None = None
 
     def __init__(self, capacity: int) -> None:
         """Args: capacity: blocks in the pool (sizes history such as ghost lists)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from typing import NamedTuple
+from typing import NamedTuple, SupportsIndex
 
 import numpy as np
 
@@ -51,7 +51,7 @@ class Block(NamedTuple):
 
 def _index_or_none(value: object) -> int | None:
     """A plain int from an int or a NumPy integer (not a bool, nor a float's truncation)."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
         return None
     try:
         return operator.index(value)

@@ -5,7 +5,7 @@ pair -- evicting one block -- except every third op, a `get_block` of the pair a
 before (a hit). cachetools' `LRUCache`/`LFUCache` of the same size does the same with
 `cache[pair] = i` and `cache.get(pair)`. Three kvd arms run beside it:
   * `kvd.PagedKVCache` as users call it (its lock included);
-  * the same calls less `with self._lock` (the methods the public ones wrap), so the difference
+  * the same calls less their lock (the methods the public ones wrap), so the difference
     is what thread safety costs a single thread;
   * kvd on 1-element blocks: the default geometry's blocks are 16 KiB, which an allocation zeroes
     (a reused block must not show its previous pair's data): work cachetools has no counterpart
@@ -94,7 +94,7 @@ def kvd_arm(policy: str, **geometry: int) -> Callable[[], float]:
 
 
 def kvd_unlocked_arm(policy: str) -> Callable[[], float]:
-    """`allocate_block` and `get_block` as written, less their `with self._lock`."""
+    """`allocate_block` and `get_block` as written, less their lock."""
     cache = filled(policy)
 
     def run_ops(first: int, stop: int) -> None:

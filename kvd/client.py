@@ -118,8 +118,7 @@ class _Reply:
     error: BaseException | None = None
     is_done = False
     wakeup: threading.Lock | None = None  # made when its thread must sleep; released to wake it
-    epoch: int | None = None  # the client's num_reconnects when it was sent (None: not sent)
-    segment_uuid: bytes | None = None  # the segment served when it was sent
+    session: tuple[int, bytes | None] | None = None  # Client._session when sent (None: not)
 
 
 def _decoded(body: bytes) -> tuple[int | None, Any]:
@@ -159,6 +158,7 @@ class Client:
         self._sock: socket.socket | None = None
         self._segment: Segment | None = None
         self._segment_uuid: bytes | None = None  # the served segment's, as of the last hello
+        self._session: tuple[int, bytes | None] = (0, None)  # (set below, once connected)
         self._stale_segments: list[Segment] = []
         self._pool: np.ndarray | None = None
         self._next_id = 1
@@ -181,11 +181,11 @@ class Client:
         except BaseException:
             self._teardown()
             raise
-        # A new object per session (reconnects replace it): each thread keeps the one its last
-        # call ran under, so a thread that did not see a restart is told at its next call.
-        self._session: tuple[int, bytes | None] = (self.num_reconnects, self._segment_uuid)
-        self._seen = threading.local()
-        self._seen.session = self._session
+        # (num_reconnects, segment uuid): a new object per session (reconnects replace it).
+        # Each thread keeps the one its last call saw, so a thread that did not see a restart
+        # is told at its next call; a thread that never called saw the first.
+        self._session = (self.num_reconnects, self._segment_uuid)
+        self._first_session, self._seen = self._session, threading.local()
         _live_clients.add(self)
 
     def _open_session(self) -> None:
@@ -262,11 +262,11 @@ class Client:
         except DisconnectedError as lost:
             if self._closed_because is not None:
                 raise self._closed_error() from None
-            if reply.epoch is None:  # not sent: told of a restart another thread handled
+            if reply.session is None:  # not sent: told of a restart another thread handled
                 raise
             self._reconnect_once(reply, lost)
         self._seen.session = self._session
-        if self._after_restart(op, reply.segment_uuid, "during"):
+        if self._after_restart(op, reply.session[1], "during"):
             return None
         try:
             return self._request(op, args, _Reply())
@@ -278,18 +278,22 @@ class Client:
             raise
 
     def _notice(self, op: str) -> bool:
-        """This thread's first call since another thread reconnected (or its first call at
-        all): the restart is told to it once, as to the call that noticed it, since its pins,
-        blocks and sequences died as well (and their ids may name the new session's blocks).
-        Returns True if the op is done: it only dropped pins, which the restart dropped."""
-        seen, self._seen.session = getattr(self._seen, "session", None), self._session
-        return seen is not None and self._after_restart(op, seen[1], "before")
+        """If this thread has not called since a reconnect (another thread's), tell it of the
+        restart now, as the call that noticed it is told, since its pins, blocks and sequences
+        died as well (and their ids may name the new session's blocks). A thread's first call
+        counts as having seen the first session. Returns True if the op is done: it only
+        dropped pins, which the restart dropped."""
+        seen = getattr(self._seen, "session", self._first_session)
+        if seen is self._session:
+            return False
+        self._seen.session = self._session
+        return self._after_restart(op, seen[1], "before")
 
     def _after_restart(self, op: str, segment_uuid: bytes | None, when: str) -> bool:
         """Apply the restart rules (module docstring) to `op`, sent or about to be sent `when`
         the daemon restarted, by a caller who last saw segment `segment_uuid`. Returns True if
         the op is done (SATISFIED_BY_RESTART), False if it is to be sent (RETRIED_OPS)."""
-        if self._segment_uuid != segment_uuid:
+        if self._segment_uuid != segment_uuid:  # (a clean start's new segment)
             raise DisconnectedError(
                 f"the kvd daemon restarted clean {when} {op!r} and serves a new segment: "
                 "nothing cached survived, and views and `pool` taken before show the old, "
@@ -308,10 +312,14 @@ class Client:
         """Send one request and wait for its reply (read by this thread or another), unless
         this thread is to be told of a restart first (checked under _send_lock, which a
         reconnect holds: the request goes to the session the thread has seen)."""
-        with self._send_lock:
-            if getattr(self._seen, "session", None) is not self._session and self._notice(op):
+        send_lock = self._send_lock
+        send_lock.acquire()  # (locks are taken without `with` here: 0.2 µs less each, timeit
+        try:  # on the CPython 3.11 we run, where a request costs the client ~5 µs)
+            if self.num_reconnects and self._notice(op):
                 return None
             self._send(op, args, reply)
+        finally:
+            send_lock.release()
         return self._wait(reply)
 
     def _send(self, op: str, args: dict[str, Any], reply: _Reply) -> None:
@@ -327,7 +335,7 @@ class Client:
         except TypeError as exc:  # msgpack has no encoding for an argument's type
             raise BadArgsError(f"{op}: an argument cannot be sent ({exc}); pass ints, bytes, "
                                "str, lists and None") from None
-        reply.epoch, reply.segment_uuid = self.num_reconnects, self._segment_uuid
+        reply.session = self._session
         self._pending[request_id] = reply  # before the send: another thread may read the reply
         try:
             sock.sendall(frame)
@@ -342,9 +350,10 @@ class Client:
         """`reply`'s result: read the socket while no other thread does, else sleep until the
         reader hands over the reply or the reading. Raises the reply's error, DisconnectedError,
         or TimeoutError (the reply took longer than timeout_s)."""
-        deadline = None
+        deadline, mutex = None, self._mutex
         while True:
-            with self._mutex:
+            mutex.acquire()
+            try:
                 is_reader = not reply.is_done and not self._is_reading
                 if is_reader:
                     self._is_reading = True
@@ -352,6 +361,8 @@ class Client:
                     reply.wakeup = threading.Lock()
                     reply.wakeup.acquire()  # held while there is no news; released to wake us
                 wakeup = reply.wakeup
+            finally:
+                mutex.release()
             if is_reader:
                 self._read_until(reply)  # (returns with the reply done)
             elif wakeup is not None and not reply.is_done:
@@ -387,12 +398,22 @@ class Client:
                 replies: SequenceOf[tuple[int | None, Any]] | None = decoder.replies(chunk)  # C
                 if replies is None:
                     replies = [_decoded(body) for body in decoder.feed(chunk)]
-                with mutex:
+                mutex.acquire()
+                try:
                     for request_id, value in replies:
-                        self._deliver(request_id, value)
+                        pending = self._pending.pop(request_id, None)  # type: ignore[arg-type]
+                        if pending is reply and not isinstance(value, KvdError):
+                            reply.value, reply.is_done = value, True  # ours: nobody to wake
+                        else:
+                            self._deliver(request_id, pending, value)
                     if reply.is_done:
-                        self._stop_reading(sock)
+                        if self._pending or self._orphan_socket is not None:
+                            self._stop_reading(sock)
+                        else:  # (a lone caller's usual end: nobody to hand the reading to)
+                            self._is_reading = False
                         return
+                finally:
+                    mutex.release()
         except TimeoutError:  # (the caller closes the client, failing the others)
             with mutex:
                 self._stop_reading(sock)
@@ -424,9 +445,9 @@ class Client:
                     pending.wakeup.release()
                 return
 
-    def _deliver(self, request_id: int | None, value: Any) -> None:
-        """Hand a reply (a result, or the KvdError to raise) to its request. Under _mutex."""
-        pending = self._pending.pop(request_id, None) if request_id is not None else None
+    def _deliver(self, request_id: int | None, pending: _Reply | None, value: Any) -> None:
+        """Hand a reply (a result, or the KvdError to raise) to `pending`, the request of
+        `request_id` (None: no request in flight has that id). Under _mutex."""
         if pending is None:
             if isinstance(value, KvdError):  # an error the daemon could not tie to a request
                 raise value
@@ -453,7 +474,7 @@ class Client:
         with self._send_lock:  # nobody sends while the session is replaced
             if self._closed_because is not None:
                 raise self._closed_error() from None
-            if self.num_reconnects == reply.epoch:
+            if self._session is reply.session:
                 self._reconnect(lost)
 
     def _timed_out(self, op: str) -> DisconnectedError:

@@ -38,7 +38,7 @@ def run_threads(target: Callable[[int], None], num_threads: int = NUM_THREADS,
                 timeout_s: float = 60.0) -> None:
     """Run `target(index)` in threads started together; fail on a hang, re-raise a failure."""
     errors: list[BaseException] = []
-    start = threading.Barrier(num_threads)
+    start = threading.Barrier(num_threads, timeout=30)
 
     def main(index: int) -> None:
         try:
@@ -105,7 +105,7 @@ def test_close_or_a_timeout_fails_every_thread_waiting_on_a_stalled_daemon(kvd_d
     all with DisconnectedError at once."""
     client = kvd_daemon.connect(timeout_s=1.0 if how == "timeout" else None)
     errors: list[BaseException] = []
-    waiting = threading.Barrier(NUM_THREADS + 1)
+    waiting = threading.Barrier(NUM_THREADS + 1, timeout=30)
 
     def call(index: int) -> None:
         waiting.wait()
@@ -158,7 +158,7 @@ def test_a_restart_is_reconnected_once_and_told_to_every_thread_once(kvd_daemon)
             client.seal(block_ids, keys)
             client.release(block_ids)
             chains.append((keys, block_ids))
-        start = threading.Barrier(NUM_THREADS + 1)
+        start = threading.Barrier(NUM_THREADS + 1, timeout=30)
 
         def busy(index: int) -> None:
             keys, block_ids = chains[index]
@@ -180,8 +180,8 @@ def test_a_restart_is_reconnected_once_and_told_to_every_thread_once(kvd_daemon)
             assert client.seal(fresh, [os.urandom(16)]) == [True]  # told once, not again
             client.release(fresh)
 
-        threads = [threading.Thread(target=busy if index < num_busy else idle, args=(index,))
-                   for index in range(NUM_THREADS)]
+        threads = [threading.Thread(target=busy if index < num_busy else idle, args=(index,),
+                                    daemon=True) for index in range(NUM_THREADS)]
         for thread in threads:
             thread.start()
         start.wait()

@@ -9,14 +9,12 @@ it wrote through the held block is what it reads back, however much the others e
 from __future__ import annotations
 
 import random
-import sys
-import threading
-from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 
 import kvd
+from conftest import run_threads
 from kvd import PagedKVCache
 from kvd.core.policies import POLICIES
 
@@ -24,37 +22,6 @@ NUM_THREADS = 8
 NUM_OPS = 1500
 NUM_BLOCKS = 16  # 8 holds at most: the other 8 keep every allocation evicting
 NUM_SHARED_POSITIONS = 64  # pairs every thread allocates and gets (x 2 layers: 8x the pool)
-
-
-@pytest.fixture
-def fine_switching() -> Iterator[None]:
-    """Switch threads every microsecond (default 5 ms), so races show within a short run."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(before)
-
-
-def run_threads(target: Callable[[int], None], num_threads: int = NUM_THREADS) -> None:
-    """Run `target(index)` in threads started together; re-raise the first failure."""
-    errors: list[BaseException] = []
-    start = threading.Barrier(num_threads)
-
-    def main(index: int) -> None:
-        try:
-            start.wait()
-            target(index)
-        except BaseException as exc:  # (reported below, with its traceback)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=main, args=(index,)) for index in range(num_threads)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-        assert not thread.is_alive(), "a thread hung"
-    if errors:
-        raise errors[0]
 
 
 class Worker:
@@ -121,7 +88,7 @@ def test_eight_threads_of_random_ops_keep_the_pool_whole_and_held_data_intact(po
             worker.step()
         worker.check_held()
 
-    run_threads(work)
+    run_threads(work, NUM_THREADS)
     cache.check_invariants()
     stats = cache.stats()
     assert stats["held_blocks"] == sum(worker.held is not None for worker in workers)
@@ -138,6 +105,6 @@ def test_counters_add_up_across_threads(fine_switching):
             cache.get_block(0, 0)
             cache.get_block(0, 1 + index)
 
-    run_threads(get_many)
+    run_threads(get_many, NUM_THREADS)
     stats = cache.stats()
     assert (stats["hits"], stats["misses"]) == (NUM_THREADS * 500, NUM_THREADS * 500)

@@ -10,53 +10,17 @@ from __future__ import annotations
 import os
 import random
 import signal
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 
 import pytest
 
 import kvd
-from conftest import SMALL_GEOMETRY, start_daemon_process
+from conftest import SMALL_GEOMETRY, run_threads, start_daemon_process
 
 pytestmark = pytest.mark.integration
 
 NUM_THREADS = 8
-
-
-@pytest.fixture
-def fine_switching() -> Iterator[None]:
-    """Switch threads every microsecond (default 5 ms), so threads interleave inside calls."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(before)
-
-
-def run_threads(target: Callable[[int], None], num_threads: int = NUM_THREADS,
-                timeout_s: float = 60.0) -> None:
-    """Run `target(index)` in threads started together; fail on a hang, re-raise a failure."""
-    errors: list[BaseException] = []
-    start = threading.Barrier(num_threads, timeout=30)
-
-    def main(index: int) -> None:
-        try:
-            start.wait()
-            target(index)
-        except BaseException as exc:  # (re-raised below)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=main, args=(index,), daemon=True)
-               for index in range(num_threads)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + timeout_s
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-        assert not thread.is_alive(), "a thread hung"
-    if errors:
-        raise errors[0]
 
 
 def test_threads_sharing_a_client_each_get_their_own_replies_and_errors(kvd_daemon,
@@ -89,7 +53,7 @@ def test_threads_sharing_a_client_each_get_their_own_replies_and_errors(kvd_daem
                 assert client.stats()["num_blocks"] == SMALL_GEOMETRY["num_blocks"]
 
         try:
-            run_threads(work)
+            run_threads(work, NUM_THREADS)
         finally:
             done.set()
             watcher.join()

@@ -33,7 +33,7 @@ from bench.common import ROOT, Daemon, markdown_table, progress, write_json
 
 NUM_THREADS = 4
 BATCHES = (1, 16)
-PERIOD_S = 0.4
+PERIOD_S = 1.0  # long enough that starting and stopping threads is noise
 NUM_BLOCKS = 4096
 REQUESTS_PER_ROUND = 5
 
@@ -138,7 +138,7 @@ def run_bench(quick: bool, out: Path, base: str | None = None) -> str:
         results["sharing"] = []
         for batch in BATCHES:
             progress(f"client_threads: batch {batch}")
-            results["sharing"].append(measure_sharing(daemon, batch, 2 if quick else 15))
+            results["sharing"].append(measure_sharing(daemon, batch, 2 if quick else 9))
         if base is not None:
             progress(f"client_threads: one thread, {base} against this tree")
             with tempfile.TemporaryDirectory() as directory:

@@ -88,6 +88,8 @@ _live_clients: weakref.WeakSet[Client] = weakref.WeakSet()
 def _disown_after_fork() -> None:
     for client in list(_live_clients):
         client._is_forked = True
+        # Another thread of the parent may have held them at the fork: the child's are fresh.
+        client._send_lock, client._mutex = threading.Lock(), threading.Lock()
 
 
 os.register_at_fork(after_in_child=_disown_after_fork)
@@ -547,7 +549,8 @@ class Client:
         if sock is None:
             return
         try:
-            sock.shutdown(socket.SHUT_RDWR)
+            if not self._is_forked:  # (a forked child's shutdown would end its parent's session)
+                sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass  # not connected (any more)
         if self._is_reading:

@@ -21,7 +21,8 @@ shared by threads, whose requests are then in flight on its one connection toget
     `num_reconnects` each request was sent under), so `num_reconnects` grows by one per restart
     and each thread's call is then retried or raises as a lone caller's would (below). A thread
     with no call in flight then is told at its next call, as if that call had noticed: every
-    thread sees a restart exactly once, and no id of the old session reaches the new one;
+    thread sees a restart exactly once, and its own ids of the old session never reach the new
+    one (ids one thread hands another across a restart are theirs to drop);
   * `close()` (or a timeout) from any thread fails every call in flight or waiting to send with
     DisconnectedError: it shuts the socket down, which wakes a reader blocked in recv.
 A `Client` belongs to the process that made it: in a forked child every call raises InUseError,

@@ -48,8 +48,9 @@ def test_threads_sharing_a_client_each_get_their_own_replies_and_errors(kvd_daem
                 found = client.lookup(keys)
                 assert found == block_ids[:len(found)], (found, block_ids)  # (a tail evicted)
                 client.release(found)
-                with pytest.raises(kvd.NotFoundError, match="not held"):
-                    client.release([block_ids[0]])  # this thread's own error, nobody else's
+                missing = kvd.Sequence(1_000_000 + index, [], 4)  # this thread's own error
+                with pytest.raises(kvd.NotFoundError, match=f"sequence {missing.seq_id} "):
+                    client.commit_sequence(missing)
                 assert client.stats()["num_blocks"] == SMALL_GEOMETRY["num_blocks"]
 
         try:

@@ -2,33 +2,45 @@
 
 Each `(layer_id, position)` pair owns one block of `block_size` tokens × `head_dim` for keys and
 as many for values. Allocating a pair that has no block takes a free one or evicts the policy's
-victim; every block here is evictable at all times (there are no readers to pin it), exactly as in
-the tutorial, but without its bugs: eviction picks the policy's victim rather than an arbitrary
-block, block ids are always valid indices, and a re-allocated pair keeps its data.
+victim; an allocated block stays evictable, exactly as in the tutorial, but without its bugs:
+eviction picks the policy's victim rather than an arbitrary block, block ids are always valid
+indices, and a re-allocated pair keeps its data.
 
-It is the same BlockPool the daemon runs: a pair's block is allocated, sealed under the key
-`(layer_id, position)` and released at once, so it is CACHED and the policy orders it;
-`get_block` is a policy access.
+It is the same BlockPool the daemon runs: a pair's block is allocated, zeroed, sealed under the
+key `(layer_id, position)` and released at once, so it is CACHED and the policy orders it;
+`get_block` is a policy access. `hold_block` is the pool's pin: a held block is SEALED (never
+evicted, never reused) until `release_block`, so a thread can write through it and read back
+what it wrote while other threads allocate.
+
+Threads: one lock guards the pool, the hit counters and the zeroing of a reused block, so every
+public method may be called from any number of threads at once and the pool's invariants hold
+between any two calls. Only the pool work runs under it: argument checks come before, and the
+NumPy views of a Block are made after (`storage` never moves). A Block from `get_block` is a view
+of whatever pair holds that block when you touch it: another thread's allocation may evict the
+pair and reuse the block meanwhile. Hold it to keep it.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-from typing import SupportsIndex, cast
+import threading
+from typing import NamedTuple, SupportsIndex
 
 import numpy as np
 
-from kvd.errors import BadArgsError, InternalError, NoSpaceError
+from kvd.errors import BadArgsError, NoSpaceError, NotFoundError
 from kvd.core.policies import POLICIES
 from kvd.core.pool import BlockPool
 
-_EMBEDDED_OWNER = 0
+_EMBEDDED_OWNER = 0  # every hold is one pin of this owner (threads share holds as they share pairs)
 
 
-@dataclass(frozen=True)
-class Block:
-    """One block: `keys` and `values` are writable views of shape (block_size, head_dim)."""
+class Block(NamedTuple):
+    """One block: `keys` and `values` are writable views of shape (block_size, head_dim).
+
+    (A NamedTuple, immutable: a frozen dataclass took 0.57 µs to build against 0.22 µs, a third of
+    a `get_block`.)
+    """
 
     block_id: int
     layer_id: int
@@ -39,10 +51,10 @@ class Block:
 
 def _index_or_none(value: object) -> int | None:
     """A plain int from an int or a NumPy integer (not a bool, nor a float's truncation)."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
         return None
-    try:  # (any object may be tried: TypeError is the answer for those without __index__)
-        return operator.index(cast(SupportsIndex, value))
+    try:
+        return operator.index(value)
     except TypeError:
         return None
 
@@ -54,7 +66,13 @@ def _positive_int(name: str, value: object) -> int:
 
 
 class PagedKVCache:
-    """A paged KV cache in this process's memory: no daemon, same pool and policies."""
+    """A paged KV cache in this process's memory: no daemon, same pool and policies.
+
+    Thread-safe: any number of threads may call every public method at once (one lock; see the
+    module docstring). A block a thread holds (`hold_block`) keeps its pair and its data until
+    that hold is released; a block from `get_block` or `allocate_block` may be evicted by another
+    thread's allocation at any time.
+    """
 
     def __init__(
         self,
@@ -87,10 +105,115 @@ class PagedKVCache:
         except MemoryError:
             raise NoSpaceError(f"cannot allocate {num_blocks} blocks of {shape[1:]} {dtype} "
                                "in this process: ask for fewer") from None
+        self._keys, self._values = self.storage[:, 0], self.storage[:, 1]  # (a view less per Block)
+        self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
+    # ---- the public methods: check arguments, then the work below under the lock ----------
+    def allocate_block(self, layer_id: int, position: int) -> int:
+        """Return the block id of `(layer_id, position)`, allocating (and evicting) if needed.
+
+        Raises NoSpaceError if the pair has no block and every block is held.
+        """
+        key = self._key(layer_id, position)
+        self._lock.acquire()  # (not `with`: 0.2 µs less, timeit on the CPython 3.11 we run)
+        try:
+            return self._allocate(key)
+        finally:
+            self._lock.release()
+
+    def get_block(self, layer_id: int, position: int) -> Block | None:
+        """The block of `(layer_id, position)` (an access for the policy), or None if absent."""
+        key = self._key(layer_id, position)
+        self._lock.acquire()
+        try:
+            block_id = self._get(key)
+        finally:
+            self._lock.release()
+        return None if block_id is None else self._block(block_id, key)
+
+    def hold_block(self, layer_id: int, position: int) -> Block:
+        """The block of `(layer_id, position)`, allocated if absent, held: until `release_block`
+        it is neither evicted nor reused, so what is written through it stays. Holds add up
+        (hold twice, release twice), whichever threads take and drop them.
+
+        Raises NoSpaceError if the pair has no block and every block is held.
+        """
+        key = self._key(layer_id, position)
+        with self._lock:
+            block_ids = self._pool.lookup([key], _EMBEDDED_OWNER) or self._new_block(key)
+        return self._block(block_ids[0], key)
+
+    def release_block(self, layer_id: int, position: int) -> None:
+        """Drop one hold of `(layer_id, position)`'s block; with none left it is evictable again.
+
+        Raises NotFoundError if the pair's block is not held.
+        """
+        key = self._key(layer_id, position)
+        with self._lock:
+            block_id = self._pool.find(key)
+            if block_id is None or not self._pool.ref_count(block_id):
+                raise NotFoundError(f"block of (layer {key[0]}, position {key[1]}) is not held: "
+                                    "release_block only what hold_block took")
+            self._pool.release([block_id], _EMBEDDED_OWNER)
+
+    def stats(self) -> dict:
+        """Pool usage; `utilization` is a percentage string like "100.0%"."""
+        with self._lock:
+            num_free, num_held = self._pool.num_free, self._pool.num_sealed
+            hits, misses = self.hits, self.misses
+            evictions = self._pool.counters["evictions"]
+        used = self.num_blocks - num_free
+        return {
+            "total_blocks": self.num_blocks,
+            "used_blocks": used,
+            "free_blocks": num_free,
+            "utilization": f"{100.0 * used / self.num_blocks:.1f}%",
+            "held_blocks": num_held,
+            "hits": hits,
+            "misses": misses,
+            "evictions": evictions,
+            "policy": self._pool.policy.name,
+        }
+
+    def check_invariants(self) -> None:
+        """The pool's invariants (BlockPool.check_invariants); InternalError if one is broken."""
+        with self._lock:
+            self._pool.check_invariants()
+
+    # ---- under the lock --------------------------------------------------------------------
+    def _allocate(self, key: tuple[int, int]) -> int:
+        block_id = self._pool.touch(key)
+        if block_id is None:
+            block_ids = self._new_block(key)
+            self._pool.release(block_ids, _EMBEDDED_OWNER)  # CACHED: the policy orders it
+            block_id = block_ids[0]
+        return block_id
+
+    def _get(self, key: tuple[int, int]) -> int | None:
+        block_id = self._pool.touch(key)
+        if block_id is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return block_id
+
+    def _new_block(self, key: tuple[int, int]) -> list[int]:
+        """A zeroed block sealed under `key` (absent), held once: [block id]."""
+        block_ids = self._pool.allocate(1, _EMBEDDED_OWNER)
+        if block_ids is None:
+            raise NoSpaceError(f"all {self.num_blocks} blocks are held: release_block some "
+                               "(or make the cache larger)")
+        self.storage[block_ids[0]] = 0  # a reused block must not show its previous pair's data
+        self._pool.seal(block_ids, [key], _EMBEDDED_OWNER)
+        return block_ids
+
+    # ---- without it ------------------------------------------------------------------------
     def _key(self, layer_id: int, position: int) -> tuple[int, int]:
+        if (type(layer_id) is int and type(position) is int  # the usual call: no further calls
+                and 0 <= layer_id < self.num_layers and position >= 0):
+            return (layer_id, position)
         layer, index = _index_or_none(layer_id), _index_or_none(position)
         if layer is None or not 0 <= layer < self.num_layers:
             raise BadArgsError(f"layer_id must be an int in [0, {self.num_layers}), got {layer_id!r}")
@@ -98,46 +221,5 @@ class PagedKVCache:
             raise BadArgsError(f"position must be a non-negative int (block index), got {position!r}")
         return (layer, index)
 
-    def allocate_block(self, layer_id: int, position: int) -> int:
-        """Return the block id of `(layer_id, position)`, allocating (and evicting) if needed."""
-        key = self._key(layer_id, position)
-        block_id = self._pool.touch(key)
-        if block_id is not None:
-            return block_id
-        block_ids = self._pool.allocate(1, _EMBEDDED_OWNER)
-        if block_ids is None:
-            raise InternalError("the embedded pool found no block to evict, but every block here "
-                                "is evictable at all times: a kvd bug")
-        (block_id,) = block_ids
-        self.storage[block_id] = 0  # a reused block must not show its previous pair's data
-        self._pool.seal([block_id], [key], _EMBEDDED_OWNER)
-        self._pool.release([block_id], _EMBEDDED_OWNER)
-        return block_id
-
-    def get_block(self, layer_id: int, position: int) -> Block | None:
-        """The block of `(layer_id, position)` (an access for the policy), or None if absent."""
-        key = self._key(layer_id, position)
-        block_id = self._pool.touch(key)
-        if block_id is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        kv = self.storage[block_id]
-        return Block(block_id, layer_id, position, kv[0], kv[1])
-
-    def stats(self) -> dict:
-        """Pool usage; `utilization` is a percentage string like "100.0%"."""
-        used = self.num_blocks - self._pool.num_free
-        return {
-            "total_blocks": self.num_blocks,
-            "used_blocks": used,
-            "free_blocks": self._pool.num_free,
-            "utilization": f"{100.0 * used / self.num_blocks:.1f}%",
-            "hits": self.hits,
-            "misses": self.misses,
-            "evictions": self._pool.counters["evictions"],
-            "policy": self._pool.policy.name,
-        }
-
-    def check_invariants(self) -> None:
-        self._pool.check_invariants()
+    def _block(self, block_id: int, key: tuple[int, int]) -> Block:
+        return Block(block_id, key[0], key[1], self._keys[block_id], self._values[block_id])

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -221,3 +222,37 @@ def worker_env() -> dict[str, str]:
 @pytest.fixture
 def source_root() -> Path:
     return ROOT
+
+
+# ---- threads -----------------------------------------------------------------------------------
+@pytest.fixture
+def fine_switching() -> Iterator[None]:
+    """Switch threads every microsecond (default 5 ms), so races show within a short run."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(before)
+
+
+def run_threads(target: Callable[[int], None], num_threads: int, timeout_s: float = 60.0) -> None:
+    """Run `target(index)` in threads started together; fail on a hang, re-raise a failure."""
+    errors: list[BaseException] = []
+    start = threading.Barrier(num_threads, timeout=30)
+
+    def main(index: int) -> None:
+        try:
+            start.wait()
+            target(index)
+        except BaseException as exc:  # (re-raised below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=main, args=(index,), daemon=True)
+               for index in range(num_threads)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+        assert not thread.is_alive(), "a thread hung"
+    if errors:
+        raise errors[0]

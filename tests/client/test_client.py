@@ -114,6 +114,7 @@ def test_a_forked_child_cannot_reuse_its_parents_connection(kvd_daemon):
                     with kvd_daemon.connect() as own:  # its own session works
                         own.release(own.alloc(1))
                         status = 0
+                client.close()  # (closes the child's copy only: no shutdown of the socket)
             finally:
                 os._exit(status)
         _, wait_status = os.waitpid(pid, 0)

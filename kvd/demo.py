@@ -208,20 +208,6 @@ def _leftovers(name: str) -> list[str]:
     return [path for path in candidates if os.path.exists(path)]
 
 
-def _remove_lock_file(name: str) -> None:
-    """A daemon leaves its name's lock file (unlinking it could race a next daemon's flock);
-    the demo's names are its own, one per run, so once its daemon is gone the file is only
-    clutter."""
-    from kvd.server.startup import is_running
-
-    paths = DaemonPaths.for_name(name)
-    if not is_running(paths):
-        try:
-            os.unlink(paths.lock_path)
-        except FileNotFoundError:
-            pass
-
-
 def _has_engines() -> bool:
     import importlib.util
 
@@ -257,7 +243,6 @@ def run(args: argparse.Namespace) -> int:
         status = 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    _remove_lock_file(name)
     left = _leftovers(name)
     if left:
         print(f"kvd demo: left behind {', '.join(left)}: remove them by hand", file=sys.stderr)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvd import native
-from kvd.core.policies import DEFAULT_POLICY, POLICIES, parse_tiers
+from kvd.core.policies import DEFAULT_POLICY, POLICIES, TIER_NAMES, parse_tiers
 from kvd.errors import BadArgsError, DisconnectedError, KvdError
 from kvd.geometry import DTYPES, Geometry
 from kvd.protocol import codec
@@ -92,11 +92,11 @@ def _geometry(args: argparse.Namespace) -> Geometry:
 def cmd_start(args: argparse.Namespace) -> int:
     from kvd.server.daemon import DaemonConfig, launch
 
-    if args.policy not in POLICIES and args.policy != "default":
-        raise BadArgsError(f"unknown --policy {args.policy!r}: choose one of "
-                           f"{', '.join(sorted(POLICIES))} or default")
-    if args.tiers:
-        parse_tiers(args.tiers)  # a typed error before anything starts
+    _check_policy("--policy", args.policy)
+    if args.tiers:  # a typed error before anything starts
+        for name, spec in zip(TIER_NAMES, parse_tiers(args.tiers)):
+            if spec.policy is not None:
+                _check_policy(f"--tiers {name}=...:POLICY", spec.policy)
     paths = DaemonPaths.for_name(args.name, args.socket)
     geometry = _geometry(args)
     _raise_fd_limit()
@@ -112,6 +112,12 @@ def cmd_start(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_policy(flag: str, name: str) -> None:
+    if name not in POLICIES and name != "default":
+        raise BadArgsError(f"unknown {flag} {name!r}: choose one of "
+                           f"{', '.join(sorted(POLICIES))} or default")
+
+
 def _raise_fd_limit() -> None:
     """Every session takes two fds (its socket and a pidfd): the usual soft limit of 1024 would
     stop the daemon near 500 workers, so take what the hard limit allows."""
@@ -122,10 +128,12 @@ def _raise_fd_limit() -> None:
 
 def _ready_line(started: Started) -> str:
     g, paths = started.config.geometry, started.config.paths
+    metrics_port = started.service.info.get("metrics_port")
+    metrics = "" if metrics_port is None else f" metrics=127.0.0.1:{metrics_port}"
     return (f"kvd: serving name={paths.name} socket={paths.socket_path} "
             f"segment={started.segment.name} blocks={g.num_blocks} "
             f"block_nbytes={g.block_nbytes} policy={started.service.pool.policy.name} "
-            f"codec={codec()} native={native.summary()} pid={os.getpid()}")
+            f"codec={codec()} native={native.summary()}{metrics} pid={os.getpid()}")
 
 
 def _setup_logging(level: str, stream: Any) -> None:
@@ -263,14 +271,26 @@ def format_stats(stats: dict[str, Any]) -> str:
         ("sessions now / opened / closed",
          f"{stats['sessions']} / {stats['sessions_opened']} / {stats['sessions_closed']}"),
         ("sequences open", stats["sequences"]), ("policy", stats["policy"]),
+        *_tier_rows(stats),
         ("uptime", f"{stats['uptime_s']:.1f} s"),
         ("requests", ", ".join(f"{op} {n}" for op, n in sorted(stats["requests"].items()))),
         ("errors", ", ".join(f"{code} {n}" for code, n in sorted(stats["errors"].items()))
          or "none"),
         ("native modules", ", ".join(f"{name} {state}" for name, state in stats["native"].items())),
+        ("metrics", "off" if stats.get("metrics_port") is None
+         else f"http://127.0.0.1:{stats['metrics_port']}/metrics"),
     ]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _tier_rows(stats: dict[str, Any]) -> list[tuple[str, Any]]:
+    """With --tiers: the split (share:policy per tier) and each tier's resident blocks."""
+    if "tiers" not in stats:
+        return []
+    counts = stats["tier_blocks"]
+    return [("tiers", stats["tiers"]),
+            ("tier blocks " + " / ".join(counts), " / ".join(str(n) for n in counts.values()))]
 
 
 def _add_module_command(subparsers: Any, name: str, help_text: str, module: Any) -> None:

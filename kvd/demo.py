@@ -91,7 +91,7 @@ def _worker_command(args: argparse.Namespace, name: str, worker_id: int) -> list
               "--new-tokens", str(args.new_tokens)]
     if args.engine == "transformers":  # one-shot requests; the model's shape is the pool's
         return [sys.executable, "-m", "workers.hf_generate", *common,
-                "--requests", str(args.workers * args.conversations),
+                "--requests", str(args.workers * args.conversations * args.turns),
                 "--layers", str(args.layers), "--kv-heads", str(args.kv_heads),
                 "--head-dim", str(args.head_dim), "--dtype", args.dtype]
     return [sys.executable, "-m", "workers.attention", *common,
@@ -208,20 +208,6 @@ def _leftovers(name: str) -> list[str]:
     return [path for path in candidates if os.path.exists(path)]
 
 
-def _remove_lock_file(name: str) -> None:
-    """A daemon leaves its name's lock file (unlinking it could race a next daemon's flock);
-    the demo's names are its own, one per run, so once its daemon is gone the file is only
-    clutter."""
-    from kvd.server.startup import is_running
-
-    paths = DaemonPaths.for_name(name)
-    if not is_running(paths):
-        try:
-            os.unlink(paths.lock_path)
-        except FileNotFoundError:
-            pass
-
-
 def _has_engines() -> bool:
     import importlib.util
 
@@ -257,7 +243,6 @@ def run(args: argparse.Namespace) -> int:
         status = 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    _remove_lock_file(name)
     left = _leftovers(name)
     if left:
         print(f"kvd demo: left behind {', '.join(left)}: remove them by hand", file=sys.stderr)
@@ -277,9 +262,9 @@ def _run_demo(args: argparse.Namespace, name: str) -> int:
             print(f"kvd demo: daemon {name!r}: {g.num_blocks} blocks of {g.block_size} tokens, "
                   f"{g.num_layers} layers x {g.num_kv_heads} KV heads x {g.head_dim}, {g.dtype} "
                   f"({g.pool_nbytes / 2**20:.1f} MiB), policy {client.stats()['policy']}")
-            work = (f"{args.conversations} requests (transformers Llama)"
-                    if args.engine == "transformers"
-                    else f"{args.conversations} conversations x {args.turns} turns")
+            work = f"{args.conversations} conversations x {args.turns} turns"
+            if args.engine == "transformers":  # (workers/hf_generate.py has no conversations)
+                work += " (transformers Llama: each turn a one-shot request)"
             print(f"{args.workers} workers x {work}; {args.system_prompts} system prompts of "
                   f"{args.system_tokens} tokens shared by all workers; {args.new_tokens} tokens "
                   "generated per request\n",

@@ -47,7 +47,8 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from kvd.errors import BadArgsError
-from kvd.core.policies import DEFAULT_POLICY, POLICIES, TIER_DECODE, make_policy, parse_tiers
+from kvd.core.policies import (DEFAULT_POLICY, POLICIES, TIER_DECODE, TieredPolicy,
+                               make_policy)
 from kvd.core.pool import BlockPool
 from kvd.traces import TRACE_BLOCK_TOKENS, Request, decode_blocks, load_trace
 
@@ -223,39 +224,59 @@ def replay_rows(trace: Sequence[Request], policy_names: Sequence[str],
     """Replay every (policy, capacity) and Belady's OPT; one Row each.
 
     `tiers`, `decode` and `prefix_tree` are replay_pool's (pool mode only); with `decode` the
-    ratios still count prompt references only, and the Row's mode reads `pool+decode`.
+    ratios still count prompt references only, and the Row's mode reads `pool+decode`. A Row's
+    policy is `policy_label`'s: with `tiers`, names that run the same split give one row.
     """
     if mode == "anchor" and (tiers or decode or not prefix_tree):
         raise BadArgsError("--tiers and --decode need --mode pool (anchor is the reference "
                            "semantics: prompt blocks only, no pool)")
+    runs: dict[str, str] = {}  # label -> the first policy name that runs it
+    for name in policy_names:
+        runs.setdefault(policy_label(name, tiers), name)
     written = decode_blocks(trace) if decode else None
     num_refs = max(1, sum(len(request.hash_ids) for request in trace))
     refs = reference_stream(trace, written)
     rows = []
     for capacity in capacities:
         opt_ratio = belady_hits(refs, capacity) / num_refs
-        for name in policy_names:
+        for label, name in runs.items():
             if progress:
-                progress(f"{name} @ {capacity} blocks")
+                progress(f"{label} @ {capacity} blocks")
             if mode == "anchor":
                 counts = replay_anchor(trace, name, capacity)
             else:
                 counts = replay_pool(trace, name, capacity, tiers=tiers, decode=written,
                                      prefix_tree=prefix_tree)
             prefix_ratio = counts.num_prefix_hits / num_refs
-            rows.append(Row(name, capacity, prefix_ratio, counts.num_hits / num_refs,
+            rows.append(Row(label, capacity, prefix_ratio, counts.num_hits / num_refs,
                             counts.num_prefix_tokens / max(1, counts.num_tokens), opt_ratio,
                             prefix_ratio / opt_ratio if opt_ratio else 0.0,
                             mode + "+decode" if decode else mode))
     return rows
 
 
+def policy_label(name: str, tiers: str | None = None) -> str:
+    """What a row ran: `name`, or with `tiers` the split as the pool runs it, e.g.
+    `tiered(prefill=0.7:lru,decode=0.3:lfu)`: a tier that names its own policy ignores `name`.
+
+    Raises:
+        BadArgsError: bad tiers, or an unknown policy in them.
+    """
+    if not tiers:
+        return name
+    # (the split's description does not depend on the capacity: the smallest that has 2 tiers)
+    policy = make_policy(name, 2, tiers=tiers)
+    assert isinstance(policy, TieredPolicy)  # (what make_policy builds for tiers)
+    return f"tiered({policy.describe()})"
+
+
 def format_table(rows: Sequence[Row]) -> str:
     """A fixed-width table of the rows, one line per (policy, capacity)."""
-    lines = [f"{'policy':<10} {'capacity':>9} {'prefix':>7} {'block':>7} {'token':>7} "
+    width = max([10, *(len(row.policy) for row in rows)])
+    lines = [f"{'policy':<{width}} {'capacity':>9} {'prefix':>7} {'block':>7} {'token':>7} "
              f"{'OPT':>7} {'of OPT':>7}"]
     for row in rows:
-        lines.append(f"{row.policy:<10} {row.capacity:>9} {row.prefix_hit_ratio:>7.4f} "
+        lines.append(f"{row.policy:<{width}} {row.capacity:>9} {row.prefix_hit_ratio:>7.4f} "
                      f"{row.block_hit_ratio:>7.4f} {row.token_hit_ratio:>7.4f} "
                      f"{row.opt_hit_ratio:>7.4f} {row.fraction_of_opt:>7.1%}")
     return "\n".join(lines)
@@ -344,8 +365,6 @@ def run(args: argparse.Namespace) -> int:
         if sys.stderr.isatty() or total > 1:
             print(f"\r[{done[0]:>3}/{total}] {what:<40}", end="", file=sys.stderr, flush=True)
 
-    if args.tiers:
-        parse_tiers(args.tiers)  # fail before the replay starts
     rows = replay_rows(trace, names, capacities, args.mode, progress, tiers=args.tiers,
                        decode=args.decode)
     print("\r" + " " * 50 + "\r", end="", file=sys.stderr, flush=True)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -32,8 +34,9 @@ def kvd_cli(*args: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
 
 
 def leftovers(paths: DaemonPaths) -> list[str]:
-    return [p for p in (f"/dev/shm{paths.segment_name}", paths.socket_path, paths.pid_path)
-            if os.path.exists(p)]
+    """What a stopped daemon must not leave (its lock file included: only a --detach log stays)."""
+    return [p for p in (f"/dev/shm{paths.segment_name}", paths.socket_path, paths.pid_path,
+                        paths.lock_path) if os.path.exists(p)]
 
 
 def test_a_second_start_with_the_same_name_is_refused_while_the_first_serves(kvd_daemon):
@@ -102,9 +105,16 @@ def test_detach_status_stats_stop_round_trip():
     name = daemon_name()
     paths = DaemonPaths.for_name(name)
     try:
-        started = kvd_cli("start", "--name", name, "--detach", "--policy", "lru", *TINY)
+        started = kvd_cli("start", "--name", name, "--detach", "--policy", "lru",
+                          "--metrics-port", "0", *TINY)
         assert started.returncode == 0, started.stderr
         assert started.stdout.startswith(f"kvd: serving name={name}")
+        # --metrics-port 0: the port the kernel chose is in the ready line, the log and stats
+        port = int(re.search(r" metrics=127\.0\.0\.1:(\d+) ", started.stdout).group(1))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            assert b"kvd_pool_blocks 16.0" in reply.read()
+        log_path = re.search(r" log=(\S+)$", started.stdout.strip()).group(1)
+        assert f"serving metrics on 127.0.0.1:{port}" in Path(log_path).read_text()
         assert f"socket={paths.socket_path}" in started.stdout
         assert f"segment={paths.segment_name}" in started.stdout
         assert f"codec={protocol.codec()}" in started.stdout  # as built here: C unless it fell back
@@ -118,19 +128,45 @@ def test_detach_status_stats_stop_round_trip():
             table = kvd_cli("stats", "--name", name)
             assert table.returncode == 0 and "blocks free / owned / sealed / cached" in table.stdout
             assert "13 / 3 / 0 / 0 of 16" in table.stdout
+            assert f"http://127.0.0.1:{port}/metrics" in table.stdout
+            assert "tiers" not in table.stdout  # (none asked for)
             as_json = kvd_cli("stats", "--name", name, "--json")
             stats = json.loads(as_json.stdout)
         assert (stats["num_blocks"], stats["owned"], stats["policy"]) == (16, 3, "lru")
+        assert stats["metrics_port"] == port
         assert stats["geometry"]["block_size"] == 4
         stopped = kvd_cli("stop", "--name", name)
         assert stopped.returncode == 0, stopped.stderr
         assert leftovers(paths) == []
+        assert os.path.exists(log_path)  # the log stays (docs/operations.md)
         assert kvd_cli("status", "--name", name).returncode == 3
     finally:
         with contextlib.suppress(OSError, ValueError):  # only if a check above failed
             os.kill(int(Path(paths.pid_path).read_text()), signal.SIGKILL)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f"/dev/shm{paths.segment_name}")
+        with contextlib.suppress(FileNotFoundError, UnboundLocalError):
+            os.unlink(log_path)
+
+
+def test_stats_text_shows_the_tiers_and_their_blocks(daemon_factory):
+    """Regression: only `kvd stats --json` showed --tiers and the blocks each tier holds."""
+    daemon = daemon_factory(["--tiers", "prefill=0.75,decode=0.25:lru"], num_blocks=16,
+                            layers=1, kv_heads=1, head_dim=8, block_size=4)
+    with daemon.connect() as client:
+        sequence = client.open_sequence(list(range(8)))  # 2 prompt blocks
+        client.extend_sequence(sequence, [100, 101, 102, 103], num_computed=8)  # seals them
+        client.commit_sequence(sequence)  # and a block of generated tokens: decode tier
+        client.close_sequence(sequence)
+        table = kvd_cli("stats", "--name", daemon.name)
+        stats = client.stats()
+    assert table.returncode == 0, table.stderr
+    lines = dict(line.split("  ", 1) for line in table.stdout.splitlines())
+    assert lines["tiers"].strip() == stats["tiers"] == "prefill=0.75:kvd,decode=0.25:lru"
+    blocks = stats["tier_blocks"]
+    assert blocks == {"prefill": 2, "decode": 1}
+    assert lines["tier blocks prefill / decode"].strip() == "2 / 1"
+    assert lines["metrics"].strip() == "off"
 
 
 def test_a_pool_larger_than_dev_shm_is_a_one_line_error_at_start():
@@ -167,12 +203,15 @@ def test_stop_and_status_of_a_hung_daemon_are_bounded_and_say_so(kvd_daemon):
     (["--metrics-port", "99999"], "is not a TCP port"),
     (["--metrics-port", "http"], "is not a TCP port"),
     (["--memory", "0"], "0 bytes hold no block"),
+    (["--tiers", "prefill=0.5:bogus,decode=0.5"], "unknown --tiers prefill=...:POLICY 'bogus'"),
+    (["--tiers", "prefill=0.5,decode=0.5", "--policy", "bogus"], "unknown --policy 'bogus'"),
 ])
 def test_bad_start_flags_are_one_line_errors(flags, message):
-    """Regression: --metrics-port 99999 was a raw OverflowError traceback and --memory 0 silently
-    became the 512 MiB default."""
+    """Regression: --metrics-port 99999 was a raw OverflowError traceback, --memory 0 silently
+    became the 512 MiB default, and a tier's unknown policy failed inside the daemon (exit 1)."""
     name = daemon_name()
     started = kvd_cli("start", "--name", name, *flags, *TINY[2:])
     assert started.returncode == 2 and message in started.stderr, started.stderr
     assert "Traceback" not in started.stderr
+    assert started.stderr.splitlines()[-1].startswith("kvd")  # `kvd: ...` or argparse's
     assert leftovers(DaemonPaths.for_name(name)) == []

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvd.errors import BadArgsError
-from kvd.replay import belady_hits, replay_anchor, replay_pool, replay_rows
+from kvd.replay import belady_hits, format_table, replay_anchor, replay_pool, replay_rows
 from kvd.traces import Request, decode_blocks, load_trace, write_trace
 
 TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
@@ -127,3 +127,20 @@ def test_decode_replay_counts_prompt_references_only(tiers: str | None) -> None:
 def test_tiers_need_pool_mode() -> None:
     with pytest.raises(BadArgsError, match="--mode pool"):
         replay_rows(generated_trace(20), ["lru"], [10], "anchor", tiers="prefill=0.5,decode=0.5")
+
+
+def test_tiered_rows_are_labelled_with_the_policies_they_ran() -> None:
+    """Regression: with --tiers each row was labelled with a --policy name, also where every
+    tier named its own policy and the row's name ran nowhere."""
+    trace = generated_trace(50)
+    rows = replay_rows(trace, ["lru", "sieve"], [20], "pool", tiers="prefill=0.8,decode=0.2:lfu")
+    assert [row.policy for row in rows] == ["tiered(prefill=0.8:lru,decode=0.2:lfu)",
+                                            "tiered(prefill=0.8:sieve,decode=0.2:lfu)"]
+    both = replay_rows(trace, ["lru", "sieve"], [20], "pool",
+                       tiers="prefill=0.8:arc,decode=0.2:lfu")
+    assert [row.policy for row in both] == ["tiered(prefill=0.8:arc,decode=0.2:lfu)"]  # one run
+    lines = format_table(rows).splitlines()
+    assert len({line.index(" 20 ") for line in lines[1:]}) == 1  # columns still line up
+    assert lines[0].index("capacity") + len("capacity") == lines[1].index(" 20 ") + len(" 20")
+    with pytest.raises(BadArgsError, match="bogus"):
+        replay_rows(trace, ["lru"], [20], "pool", tiers="prefill=0.8:bogus,decode=0.2")

@@ -148,8 +148,10 @@ class KvdCollector:
         yield latency
 
 
-def serve_metrics(port: int, stats: Callable[[], dict[str, Any]], ops: OpStats) -> None:
-    """Serve /metrics on 127.0.0.1:`port` from a daemon thread."""
+def serve_metrics(port: int, stats: Callable[[], dict[str, Any]], ops: OpStats) -> int:
+    """Serve /metrics on 127.0.0.1:`port` from a daemon thread; returns the port bound (the
+    kernel's choice when `port` is 0)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(KvdCollector(stats, ops))
-    start_http_server(port, addr="127.0.0.1", registry=registry)
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
+    return int(server.server_address[1])

@@ -203,6 +203,7 @@ class Service:
             "journal": "failed" if self.write_error else self.journal_state,
             "codec": codec(),  # "python" where msgspec is missing or turned off: the slower path
             "native": native.status(),  # which compiled modules run (kvd/native.py)
+            "metrics_port": self.info.get("metrics_port"),  # None: no --metrics-port
             **self._tier_stats(),
         }
 

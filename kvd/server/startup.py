@@ -8,7 +8,8 @@ failure anywhere unwinds exactly what was made, and a stopping loop unwinds the 
 
     flock       the name's single-instance lock, taken before anything touches the socket path: a
                 second daemon of the same name is refused having changed nothing. Released last,
-                so the name is free only once everything else is gone.
+                so the name is free only once everything else is gone; its file is unlinked
+                while still locked (take_lock then locks only a file still on disk: see there).
     signals     SIGTERM/SIGINT request the stop and wake the selector (set_wakeup_fd on a
                 socketpair). Right after the lock, so that a signal during startup still ends
                 in the cleanup: the loop sees the request before it serves anyone.
@@ -20,7 +21,8 @@ failure anywhere unwinds exactly what was made, and a stopping loop unwinds the 
     socket      bound 0600 inside the 0700 runtime directory (kvd/runtime.py); an existing path
                 is replaced only if it is a socket nobody answers on (a dead daemon's).
     pidfile     written.
-    metrics     --metrics-port: a thread serving the Service's stats on 127.0.0.1.
+    metrics     --metrics-port: a thread serving the Service's stats on 127.0.0.1; the port
+                bound (port 0: one the kernel chose) goes in `service.info["metrics_port"]`.
 
 What a release keeps is `Stop.keep`. A plain stop and a failed start remove segment and journal.
 Both stay as they were, for the next --recover, after `kvd stop --keep`, after a kvd bug escaped
@@ -133,16 +135,36 @@ class Started:
 
 
 def take_lock(paths: DaemonPaths) -> int:
-    """Take the single-instance flock; returns its fd. Raises DeniedError if a daemon holds it."""
-    fd = os.open(paths.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    """Take the single-instance flock; returns its fd. Raises DeniedError if a daemon holds it.
+
+    A stopping daemon unlinks the lock file while it still holds the flock (_release_lock). A
+    starter that opened the file just before that unlink may then lock the unlinked inode while a
+    third process creates and locks a new file at the path: two "owners". So a lock counts only
+    if the locked file is still the one at the path (same device and inode); otherwise it is
+    dropped and taken again on whatever is there now.
+    """
+    while True:
+        fd = os.open(paths.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DeniedError(f"a kvd daemon named {paths.name!r} is already running "
+                              f"{_pid_text(paths)}: stop it (kvd stop --name {paths.name}) or "
+                              "choose another --name") from None
+        if _is_file_at(fd, paths.lock_path):
+            return fd
+        os.close(fd)  # we locked a file a stopping daemon had just unlinked
+
+
+def _is_file_at(fd: int, path: str) -> bool:
+    """Whether the open file `fd` is the file now at `path`."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DeniedError(f"a kvd daemon named {paths.name!r} is already running "
-                          f"{_pid_text(paths)}: stop it (kvd stop --name {paths.name}) or "
-                          "choose another --name") from None
-    return fd
+        on_disk = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (on_disk.st_dev, on_disk.st_ino)
 
 
 def is_running(paths: DaemonPaths) -> bool:
@@ -171,7 +193,7 @@ def start(config: DaemonConfig) -> Started:
     paths = config.paths
     lock_fd = take_lock(paths)
     undo = ExitStack()
-    undo.callback(os.close, lock_fd)
+    undo.callback(_release_lock, lock_fd, paths.lock_path)
     try:
         stop = Stop()
         wakeup = _install_signals(stop, undo)
@@ -192,7 +214,7 @@ def start(config: DaemonConfig) -> Started:
         undo.callback(_release_listener, listener, paths.socket_path)
         _write_pidfile(paths.pid_path)
         if config.metrics_port is not None:
-            _serve_metrics(config.metrics_port, service)
+            service.info["metrics_port"] = _serve_metrics(config.metrics_port, service)
     except BaseException:
         undo.close()
         raise
@@ -345,15 +367,26 @@ def _install_signals(stop: Stop, undo: ExitStack) -> socket.socket:
     return wakeup
 
 
-def _serve_metrics(port: int, service: Service) -> None:
+def _serve_metrics(port: int, service: Service) -> int:
+    """Serve metrics on 127.0.0.1:`port`; returns the port bound (`port`, or the kernel's pick
+    for 0)."""
     try:
-        serve_metrics(port, service.stats, service.ops)
+        bound = serve_metrics(port, service.stats, service.ops)
     except OSError as exc:
         error = InUseError if exc.errno == errno.EADDRINUSE else KvdError
         raise error(f"cannot serve metrics on 127.0.0.1:{port}: {exc.strerror or exc}") from None
+    log.info("serving metrics on 127.0.0.1:%d", bound)
+    return bound
 
 
 # ---- releases (on the ExitStack) -----------------------------------------------------------------
+def _release_lock(lock_fd: int, lock_path: str) -> None:
+    """Unlink the lock file, then drop the flock: unlinked while still held, so no starter can
+    lock it and also pass take_lock's check that the file is still on disk."""
+    _unlink_quietly(lock_path)
+    os.close(lock_fd)
+
+
 def _release_listener(listener: socket.socket, path: str) -> None:
     listener.close()
     _unlink_quietly(path)

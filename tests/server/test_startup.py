@@ -17,7 +17,8 @@ from conftest import daemon_name
 from kvd.geometry import Geometry
 from kvd.runtime import DaemonPaths
 from kvd.server.journal import JOURNAL_FILENAME
-from kvd.server.startup import DaemonConfig, is_running, start
+from kvd.server import startup
+from kvd.server.startup import DaemonConfig, is_running, start, take_lock
 
 GEOMETRY = Geometry(num_blocks=4, num_layers=1, block_size=2, num_kv_heads=1, head_dim=8)
 
@@ -38,7 +39,7 @@ def open_fds() -> set[str]:
 
 def made_paths(paths: DaemonPaths, state_dir: Path) -> list[str]:
     """What a start makes and a release removes, of those that exist now."""
-    return [path for path in (paths.socket_path, paths.pid_path,
+    return [path for path in (paths.socket_path, paths.pid_path, paths.lock_path,
                               f"/dev/shm{paths.segment_name}", str(state_dir / JOURNAL_FILENAME))
             if os.path.exists(path)]
 
@@ -67,7 +68,7 @@ def test_a_started_daemon_has_every_piece_and_its_release_removes_them(tmp_path)
     fds = open_fds()
     started = start(DaemonConfig(paths, GEOMETRY, state_dir=str(state_dir)))
     try:
-        assert is_running(paths) and len(made_paths(paths, state_dir)) == 4
+        assert is_running(paths) and len(made_paths(paths, state_dir)) == 5
         assert started.journal is not None and started.num_restored == 0
         assert started.service.stats()["journal"] == "ok"
         assert not started.stop.is_requested and not started.stop.keep
@@ -82,3 +83,42 @@ def test_a_bad_metrics_port_is_refused_before_anything_starts(tmp_path):
     with pytest.raises(kvd.BadArgsError, match="metrics port"):
         DaemonConfig(paths, GEOMETRY, metrics_port=70000)
     assert not is_running(paths)
+
+
+def test_a_lock_taken_on_a_file_a_stopping_daemon_unlinked_does_not_count(tmp_path, monkeypatch):
+    """A clean stop unlinks <name>.lock while it still holds the flock. A starter B that opened
+    the file just before that can then flock the unlinked inode while C holds the lock of a new
+    file at the path: B must see its file is gone, try again and be refused, not serve beside C."""
+    paths = DaemonPaths.for_name(daemon_name(), str(tmp_path / "kvd.sock"))
+    first = take_lock(paths)
+    stale = os.open(paths.lock_path, os.O_RDWR)  # B opens the file...
+    startup._release_lock(first, paths.lock_path)  # ...the first daemon stops cleanly...
+    assert not os.path.exists(paths.lock_path)
+    third = take_lock(paths)  # ...C starts, on a new file...
+    opened = []
+    real_open = os.open
+
+    def open_stale_first(path: str, flags: int, mode: int = 0o777) -> int:
+        opened.append(path)
+        return stale if len(opened) == 1 else real_open(path, flags, mode)
+
+    monkeypatch.setattr(startup.os, "open", open_stale_first)
+    try:
+        with pytest.raises(kvd.DeniedError, match="already running"):
+            take_lock(paths)  # ...and B's flock of the old inode succeeds: it must not count
+    finally:
+        monkeypatch.undo()
+    assert opened == [paths.lock_path, paths.lock_path]  # it looked again at the path
+    startup._release_lock(third, paths.lock_path)
+    assert not os.path.exists(paths.lock_path) and not is_running(paths)
+    # With nobody holding the name, a starter that locked a stale inode gets the new file's lock.
+    stale = os.open(paths.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.unlink(paths.lock_path)
+    opened.clear()
+    monkeypatch.setattr(startup.os, "open", open_stale_first)
+    try:
+        fd = take_lock(paths)
+    finally:
+        monkeypatch.undo()
+    assert os.fstat(fd).st_ino == os.stat(paths.lock_path).st_ino and is_running(paths)
+    startup._release_lock(fd, paths.lock_path)

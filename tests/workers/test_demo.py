@@ -48,15 +48,18 @@ def test_demo_with_the_transformers_engine(worker_env: dict, source_root: Path) 
         pytest.importorskip("transformers", reason="transformers is not installed")
     before = _our_demo_segments()
     done = subprocess.run([sys.executable, "-m", "kvd.cli", "demo", "--engine", "transformers",
-                           "--workers", "2", "--conversations", "2", "--system-prompts", "1",
+                           "--workers", "2", "--conversations", "1", "--turns", "2",
+                           "--system-prompts", "1",
                            "--system-tokens", "64", "--user-tokens", "16", "--new-tokens", "4",
                            "--head-dim", "32", "--num-blocks", "64"],
                           env=worker_env, cwd=source_root, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+    # 2 workers x 1 conversation x 2 turns (regression: --turns was ignored, 2 requests ran) =
     # 4 requests of 80 tokens: whichever runs second finds the 64-token system prompt cached
     match = re.search(r"^\s+all\s+4\s+16\s+\d+\s+[\d.]+%\s+(\d+) of 320", done.stdout, re.M)
     assert match and int(match.group(1)) >= 64, done.stdout
+    assert "1 conversations x 2 turns" in done.stdout
     assert _our_demo_segments() == before
 
 

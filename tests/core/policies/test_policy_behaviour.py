@@ -27,6 +27,25 @@ def test_lfu_evicts_least_frequent_then_oldest() -> None:
     assert [policy.victim() for _ in range(4)] == ["c", "d", "b", "a"]
 
 
+def test_lfu_ages_out_a_formerly_hot_key() -> None:
+    """LFU-DA's aging: a key hit often, then never again, outlives keys hit less than it for a
+    while but is evicted once the inflation value climbs past its priority (plain LFU would keep
+    it forever, each newcomer evicted in its place)."""
+    policy = LFUPolicy(4)
+    fill(policy, "hxyz")
+    for _ in range(10):
+        policy.accessed("h")  # frequency 11
+    victims = []
+    for newcomer in range(40):  # each newcomer is hit once (frequency 2), then left alone
+        victims.append(policy.victim())
+        policy.inserted(newcomer)
+        policy.accessed(newcomer)
+    assert victims[:3] == ["x", "y", "z"]
+    assert "h" in victims, "a formerly hot key was never evicted: no aging"
+    assert victims.index("h") >= 10  # not at once: it earned a longer stay than the newcomers
+    assert victims.index("h") < 20  # ~10 turnovers (its 10 extra hits), not MAX_FREQUENCY
+
+
 def test_arc_hit_moves_key_to_frequency_list() -> None:
     policy = ARCPolicy(4)
     fill(policy, "abc")

@@ -74,9 +74,9 @@ specification (tests/native/test_pool_c.py runs twin pools, one with the module 
 without, and compares every table and every policy event) and KVD_PURE_PYTHON=1, or a build
 without the module, runs it alone. What the C buys: `python -m bench.pool_ab --base python`.
 
-Errors: expected exhaustion returns None from `allocate`; misuse by a caller (wrong owner, wrong
-state, bad hash) raises a typed KvdError and changes nothing; a policy that returns a key the pool
-cannot evict raises InternalError naming the policy — that is a kvd bug.
+Errors: expected exhaustion returns None from `allocate` and `put`; misuse by a caller (wrong
+owner, wrong state, bad hash) raises a typed KvdError and changes nothing; a policy that returns a
+key the pool cannot evict raises InternalError naming the policy — that is a kvd bug.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ NUM_BLOCKS = 256
 NUM_LAYERS = 8
 CHUNK = 600  # ops per turn of an arm: short, so the arms of a round meet the same load
 ALTERNATIVES = {"lru": cachetools.LRUCache, "lfu": cachetools.LFUCache}
-TINY = {"block_size": 1, "head_dim": 1}  # the metadata path alone
+TINY = 1  # block_size and head_dim of the 1-element blocks: the metadata path alone
 
 
 def pair(op: int) -> tuple[int, int]:
@@ -56,7 +56,7 @@ def chunk_timer(run_ops: Callable[[int, int], None]) -> Callable[[], float]:
 
 
 def cachetools_arm(policy: str) -> Callable[[], float]:
-    cache = ALTERNATIVES[policy](maxsize=NUM_BLOCKS)
+    cache: cachetools.Cache = ALTERNATIVES[policy](maxsize=NUM_BLOCKS)
     for op in range(NUM_BLOCKS):
         cache[pair(op)] = op
 
@@ -71,16 +71,16 @@ def cachetools_arm(policy: str) -> Callable[[], float]:
     return chunk_timer(run_ops)
 
 
-def filled(policy: str, **geometry: int) -> PagedKVCache:
+def filled(policy: str, block_size: int = 16, head_dim: int = 128) -> PagedKVCache:
     cache = PagedKVCache(num_blocks=NUM_BLOCKS, num_layers=NUM_LAYERS, eviction_policy=policy,
-                         **geometry)
+                         block_size=block_size, head_dim=head_dim)
     for op in range(NUM_BLOCKS):
         cache.allocate_block(*pair(op))
     return cache
 
 
-def kvd_arm(policy: str, **geometry: int) -> Callable[[], float]:
-    cache = filled(policy, **geometry)
+def kvd_arm(policy: str, block_size: int = 16, head_dim: int = 128) -> Callable[[], float]:
+    cache = filled(policy, block_size, head_dim)
 
     def run_ops(first: int, stop: int) -> None:
         allocate, get = cache.allocate_block, cache.get_block
@@ -113,7 +113,7 @@ def kvd_unlocked_arm(policy: str) -> Callable[[], float]:
 
 def measure(policy: str, num_chunks: int) -> dict[str, Any]:
     arms = {"cachetools": cachetools_arm(policy), "kvd": kvd_arm(policy),
-            "kvd_unlocked": kvd_unlocked_arm(policy), "kvd_tiny": kvd_arm(policy, **TINY)}
+            "kvd_unlocked": kvd_unlocked_arm(policy), "kvd_tiny": kvd_arm(policy, TINY, TINY)}
     samples: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(num_chunks):
         for name, timed in arms.items():

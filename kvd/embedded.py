@@ -6,9 +6,11 @@ victim; an allocated block stays evictable, exactly as in the tutorial, but with
 eviction picks the policy's victim rather than an arbitrary block, block ids are always valid
 indices, and a re-allocated pair keeps its data.
 
-It is the same BlockPool the daemon runs: a pair's block is allocated, zeroed, sealed under the
-key `(layer_id, position)` and released at once, so it is CACHED and the policy orders it;
-`get_block` is a policy access. `hold_block` is the pool's pin: a held block is SEALED (never
+It is the same BlockPool the daemon runs: a pair's block is put under the key
+`(layer_id, position)` (`BlockPool.put`: what an allocation, a seal and a release do, in one call)
+and zeroed, so it is CACHED and the policy orders it; `get_block` is a policy access. The zeroing
+is the one cost cachetools has no counterpart for: a reused block must not show its previous
+pair's K/V, which a caller could not tell from its own (the seed zeroed too). `hold_block` is the pool's pin: a held block is SEALED (never
 evicted, never reused) until `release_block`, so a thread can write through it and read back
 what it wrote while other threads allocate.
 
@@ -106,6 +108,9 @@ class PagedKVCache:
             raise NoSpaceError(f"cannot allocate {num_blocks} blocks of {shape[1:]} {dtype} "
                                "in this process: ask for fewer") from None
         self._keys, self._values = self.storage[:, 0], self.storage[:, 1]  # (a view less per Block)
+        # Each block as raw bytes, to zero: NumPy fills bytes with a memset, a float32 block
+        # elementwise (0.45 µs against 0.67 µs for 16 KiB, timeit on the NumPy we run).
+        self._bytes = self.storage.view(np.uint8).reshape(num_blocks, -1)
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -142,7 +147,10 @@ class PagedKVCache:
         """
         key = self._key(layer_id, position)
         with self._lock:
-            block_ids = self._pool.lookup([key], _EMBEDDED_OWNER) or self._new_block(key)
+            block_ids = self._pool.lookup([key], _EMBEDDED_OWNER)
+            if not block_ids:
+                block_ids = [self._new_block(key)]
+                self._pool.pin(block_ids, _EMBEDDED_OWNER)
         return self._block(block_ids[0], key)
 
     def release_block(self, layer_id: int, position: int) -> None:
@@ -185,11 +193,7 @@ class PagedKVCache:
     # ---- under the lock --------------------------------------------------------------------
     def _allocate(self, key: tuple[int, int]) -> int:
         block_id = self._pool.touch(key)
-        if block_id is None:
-            block_ids = self._new_block(key)
-            self._pool.release(block_ids, _EMBEDDED_OWNER)  # CACHED: the policy orders it
-            block_id = block_ids[0]
-        return block_id
+        return self._new_block(key) if block_id is None else block_id
 
     def _get(self, key: tuple[int, int]) -> int | None:
         block_id = self._pool.touch(key)
@@ -199,15 +203,14 @@ class PagedKVCache:
             self.hits += 1
         return block_id
 
-    def _new_block(self, key: tuple[int, int]) -> list[int]:
-        """A zeroed block sealed under `key` (absent), held once: [block id]."""
-        block_ids = self._pool.allocate(1, _EMBEDDED_OWNER)
-        if block_ids is None:
+    def _new_block(self, key: tuple[int, int]) -> int:
+        """A zeroed block indexed under `key` (absent), CACHED: the policy orders it."""
+        block_id = self._pool.put(key)
+        if block_id is None:
             raise NoSpaceError(f"all {self.num_blocks} blocks are held: release_block some "
                                "(or make the cache larger)")
-        self.storage[block_ids[0]] = 0  # a reused block must not show its previous pair's data
-        self._pool.seal(block_ids, [key], _EMBEDDED_OWNER)
-        return block_ids
+        self._bytes[block_id] = 0  # a reused block must not show its previous pair's data
+        return block_id
 
     # ---- without it ------------------------------------------------------------------------
     def _key(self, layer_id: int, position: int) -> tuple[int, int]:

@@ -147,10 +147,12 @@ def test_allocating_an_existing_pair_counts_as_an_access():
     assert cache.get_block(0, 1) is None and cache.get_block(0, 0) is not None
 
 
-def test_reused_block_does_not_show_the_evicted_pairs_data():
-    cache = PagedKVCache(num_blocks=1)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "uint16", "int8"])
+def test_reused_block_does_not_show_the_evicted_pairs_data(dtype):
+    cache = PagedKVCache(num_blocks=1, dtype=dtype)
     cache.allocate_block(0, 0)
-    cache.get_block(0, 0).keys[:] = 9.0
+    cache.get_block(0, 0).keys[:] = 9
+    cache.get_block(0, 0).values[-1, -1] = 9
     cache.allocate_block(0, 1)
     block = cache.get_block(0, 1)
     assert not block.keys.any() and not block.values.any()

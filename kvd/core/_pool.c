@@ -13,6 +13,7 @@ returns a `Loops` object whose methods are the pool's operations, each done whol
     allocate(num_blocks, owner)        -> list | None    the top blocks of the free stack
     evict(num_needed)                  -> None | (key,)  victims and their subtrees, until free
     seal(block_ids, keys, parents, tiers, owner) -> list | None
+    put(key, tier)                     -> int | None | (key,)   one key cached, evicting if need be
     lookup(keys, owner)                -> list | None
     pin(block_ids, owner)              -> bool
     release(block_ids, owner)          -> bool
@@ -21,17 +22,19 @@ returns a `Loops` object whose methods are the pool's operations, each done whol
 Each does exactly what BlockPool's Python does for that call -- the same table changes and the
 same policy and observer calls in the same order -- or declines before changing anything (None
 or False): for arguments it does not vouch for (not a list, an id that is not an exact int in
-the pool, an id named twice, a key that is not exact bytes, anything that must raise a KvdError),
-and for allocate when the free list is short. Then the Python does the whole call. The Python is
-the specification; tests/native/test_pool_c.py runs twin pools and compares every table and every
-event. evict returns (key,) when the policy let go of a key that is not a cached block: the pool
-raises InternalError naming the policy.
+the pool, an id named twice, a key that is not exact bytes -- for put, nor a tuple of exact
+ints -- anything that must raise a KvdError), for allocate when the free list is short, and for
+put when no block is free or evictable. Then the Python does the whole call. The Python is the
+specification; tests/native/test_pool_c.py runs twin pools and compares every table and every
+event. evict and put return (key,) when the policy let go of a key that is not a cached block:
+the pool raises InternalError naming the policy.
 
 The policy is reached through its public interface only (kvd/core/policies/base.py), its bound
 methods looked up once here; the observer's `evicted` likewise. A caller's keys are hashed here
-only when they are exact bytes (no Python __hash__ or __eq__ runs before a call is vouched for);
-keys the pool's tables or its policy hold are the pool's own. Ids repeated in one call are found
-with a scratch bit in their state byte (SEEN), set and cleared before anything changes.
+only when they are exact bytes or (put) tuples of exact ints: no Python __hash__ or __eq__ runs
+before a call is vouched for; keys the pool's tables or its policy hold are the pool's own. Ids
+repeated in one call are found with a scratch bit in their state byte (SEEN), set and cleared
+before anything changes.
 
 What it buys: `python -m bench.pool_ab --base python` (the pool's ops with and without the C, at
 any batch); eviction and journal_rows are measured alone by timing a full pool's allocate and
@@ -513,14 +516,10 @@ static PyObject *loops_allocate(Loops *self, PyObject *const *args, Py_ssize_t n
     return block_ids;
 }
 
-/* evict(num_needed): _evict_for; (key,) for a victim that is not a cached block. */
-static PyObject *loops_evict(Loops *self, PyObject *const *args, Py_ssize_t nargs)
+/* _evict_for: victims and their subtrees until `num_needed` blocks are free. A new reference to
+   None, or to (key,) for a victim that is not a cached block; NULL with an exception. */
+static PyObject *evict_until(Loops *self, Py_ssize_t num_needed)
 {
-    if (check_nargs("evict", nargs, 1) < 0)
-        return NULL;
-    Py_ssize_t num_needed = PyLong_AsSsize_t(args[0]);
-    if (num_needed == -1 && PyErr_Occurred())
-        return NULL;
     while (self->counts[NUM_FREE] < num_needed) {
         int64_t block_id = self->counts[NEXT_VICTIM];
         if (block_id != NO_BLOCK) {
@@ -548,6 +547,17 @@ static PyObject *loops_evict(Loops *self, PyObject *const *args, Py_ssize_t narg
             return NULL;
     }
     Py_RETURN_NONE;
+}
+
+/* evict(num_needed): _evict_for; (key,) for a victim that is not a cached block. */
+static PyObject *loops_evict(Loops *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("evict", nargs, 1) < 0)
+        return NULL;
+    Py_ssize_t num_needed = PyLong_AsSsize_t(args[0]);
+    if (num_needed == -1 && PyErr_Occurred())
+        return NULL;
+    return evict_until(self, num_needed);
 }
 
 /* TIER_PREFILL or TIER_DECODE (kvd/core/policies/base.py): an exact int 0 or 1; else -1. */
@@ -644,6 +654,65 @@ static PyObject *loops_seal(Loops *self, PyObject *const *args, Py_ssize_t nargs
     self->counts[NUM_SEALED] += count;
     self->counts[SEALS] += count;
     return indexed;
+}
+
+/* A key put() hashes and compares without running Python code: exact bytes, or an exact tuple
+   of exact ints (the embedded cache's (layer, position)). */
+static int is_put_key(PyObject *key)
+{
+    if (PyBytes_CheckExact(key))
+        return 1;
+    if (!PyTuple_CheckExact(key))
+        return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(key); i++)
+        if (!PyLong_CheckExact(PyTuple_GET_ITEM(key, i)))
+            return 0;
+    return 1;
+}
+
+/* put(key, tier): _put (without the observer, which the Python tells); None for what must
+   raise or find nothing free or evictable, (key,) as evict's. */
+static PyObject *loops_put(Loops *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("put", nargs, 2) < 0)
+        return NULL;
+    PyObject *key = args[0];
+    long tier = tier_of(args[1]);
+    if (tier < 0 || !is_put_key(key) || !hashes_fit(self))
+        Py_RETURN_NONE;
+    int is_indexed = PyDict_Contains(self->index, key);
+    if (is_indexed != 0)
+        return is_indexed < 0 ? NULL : Py_NewRef(Py_None);
+    if (self->counts[NUM_FREE] == 0) {
+        if (self->counts[NUM_OWNED] + self->counts[NUM_SEALED] >= self->num_blocks)
+            Py_RETURN_NONE;
+        PyObject *unevictable = evict_until(self, 1);
+        if (unevictable != Py_None)
+            return unevictable;  /* NULL or (key,) */
+        Py_DECREF(unevictable);
+    }
+    int64_t top = self->counts[NUM_FREE] - 1;
+    Py_ssize_t block_id = top < 0 || top >= self->num_blocks ? -1 : (Py_ssize_t)self->free[top];
+    if (block_id < 0 || block_id >= self->num_blocks)
+        return PyErr_Format(PyExc_SystemError, "kvd/core/_pool.c: a bad free list");
+    PyObject *item = PyLong_FromSsize_t(block_id);
+    if (item == NULL || PyDict_SetItem(self->index, key, item) < 0) {
+        Py_XDECREF(item);
+        return NULL;
+    }
+    self->counts[NUM_FREE] = top;
+    self->state[block_id] = CACHED;
+    PyList_SetItem(self->hashes, block_id, Py_NewRef(key));
+    self->tier[block_id] = (unsigned char)tier;
+    self->counts[ALLOCATIONS]++;
+    self->counts[SEALS]++;
+    PyObject *result = PyObject_Vectorcall(self->policy[P_INSERTED], args, 2, NULL);
+    if (result == NULL) {
+        Py_DECREF(item);
+        return NULL;
+    }
+    Py_DECREF(result);
+    return item;
 }
 
 /* _pin_sealed(block_ids, owner, count_access) over ids known to be SEALED or CACHED. */
@@ -897,6 +966,8 @@ static PyMethodDef loops_methods[] = {
                   "victim that is not a cached block"),
     METHOD(seal, "seal(block_ids, keys, parents, tiers, owner) -> list | None: BlockPool.seal "
                  "without the observer"),
+    METHOD(put, "put(key, tier) -> int | None | (key,): BlockPool.put without the observer, "
+                "for exact-bytes keys and tuples of exact ints"),
     METHOD(lookup, "lookup(keys, owner) -> list | None: BlockPool.lookup of exact-bytes keys"),
     METHOD(pin, "pin(block_ids, owner) -> bool: BlockPool.pin"),
     METHOD(release, "release(block_ids, owner) -> bool: BlockPool.release, no block named twice"),

@@ -64,8 +64,8 @@ policy sees every key's events in the order they happened.
 
 Native code: kvd/core/_pool.c binds a pool's tables once (`bind`, which checks every field's
 name, type, item format and length, so a renamed or retyped table fails there, loudly) and does
-the per-block operations of allocate (from the free list), eviction, seal, lookup, pin, release
-and journal_rows, whole: the method asks it first, and it either does the entire call -- the
+the per-block operations of allocate (from the free list), eviction, seal, put, lookup, pin,
+release and journal_rows, whole: the method asks it first, and it either does the entire call -- the
 same table changes and policy events, in the same order, as the Python below -- or declines
 before changing anything (arguments it does not vouch for: not lists, keys not exact bytes, ids
 repeated or out of range, anything that must raise; for allocate, a free list too short: it is
@@ -74,9 +74,9 @@ specification (tests/native/test_pool_c.py runs twin pools, one with the module 
 without, and compares every table and every policy event) and KVD_PURE_PYTHON=1, or a build
 without the module, runs it alone. What the C buys: `python -m bench.pool_ab --base python`.
 
-Errors: expected exhaustion returns None from `allocate`; misuse by a caller (wrong owner, wrong
-state, bad hash) raises a typed KvdError and changes nothing; a policy that returns a key the pool
-cannot evict raises InternalError naming the policy — that is a kvd bug.
+Errors: expected exhaustion returns None from `allocate` and `put`; misuse by a caller (wrong
+owner, wrong state, bad hash) raises a typed KvdError and changes nothing; a policy that returns a
+key the pool cannot evict raises InternalError naming the policy — that is a kvd bug.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 import numpy as np
 
 from kvd import native
-from kvd.core.policies import TIER_NAMES, EvictionPolicy, make_policy
+from kvd.core.policies import TIER_NAMES, TIER_PREFILL, EvictionPolicy, make_policy
 from kvd.errors import BadArgsError, InUseError, InternalError, NotFoundError
 
 _built_native = native.built("pool")  # (twin tests bind it directly)
@@ -335,6 +335,54 @@ class BlockPool:
         if loops is not None:
             return loops.allocate(num_blocks, owner)  # (the free list has them now)
         return self._take_free(num_blocks, owner)
+
+    def put(self, key: Hashable, tier: int = TIER_PREFILL) -> int | None:
+        """Index `key` in one block, CACHED at once: a free block, else the policy's victim's.
+
+        What `allocate(1)`, `seal` under `key` and `release` do -- the same tables, counters,
+        journal rows (the observer sees a seal) and policy events (one `inserted`, told before
+        the observer here) -- in one call and without an owner: for a cache whose blocks are
+        evictable as soon as written (the embedded one). A reused block's generation was bumped
+        when it was freed, as on any reuse. Returns the block id, or None (changing nothing) when
+        no block is free or evictable. Raises (changing nothing) BadArgsError for a bad key or
+        tier, or a key already indexed: a second block cannot be cached under it (seal would
+        make it a duplicate, freed on its last release: here at once), so `touch` it instead.
+        """
+        block_id = None if self._loops is None else self._loops.put(key, tier)
+        if block_id is None:  # (C declined, having changed nothing)
+            block_id = self._put(key, tier)
+            if block_id is None:
+                return None
+        elif type(block_id) is tuple:  # the policy let go of a key the pool cannot evict
+            self._victim_block(block_id[0])  # raises, naming the policy
+        if self.observer is not None:
+            self.observer.sealed(self.journal_rows([block_id]))
+        return block_id
+
+    def _put(self, key: Hashable, tier: int) -> int | None:
+        """`put` less the observer."""
+        _check_key(key)
+        t = self.tables
+        if key in t.index:
+            raise BadArgsError(f"put of {key!r}: block {t.index[key]} holds it already")
+        if type(tier) is not int or not 0 <= tier < len(TIER_NAMES):  # (not bool)
+            raise BadArgsError(f"put needs a tier, 0 (prefill) or 1 (decode), got {tier!r}")
+        counts = t.counts
+        if not counts[NUM_FREE]:
+            if not self.num_available:
+                return None
+            self._evict_for(1)
+        top = counts[NUM_FREE] - 1
+        block_id: int = t.free[top]
+        counts[NUM_FREE] = top
+        t.state[block_id] = CACHED
+        t.hashes[block_id] = key
+        t.tier[block_id] = tier
+        t.index[key] = block_id
+        counts[ALLOCATIONS] += 1
+        counts[SEALS] += 1
+        self.policy.inserted(key, tier)
+        return block_id
 
     def _take_free(self, num_blocks: int, owner: int) -> list[int]:
         """The top `num_blocks` of the free stack (there are as many), OWNED by `owner`."""

@@ -379,14 +379,17 @@ def test_chain_tail_is_evicted_before_its_ancestors(policy, order):
     assert evicted == [b"tail", b"middle", b"head"]
 
 
+class BrokenPolicy(LRUPolicy):
+    """Lets go of its victim but names a key that was never cached."""
+
+    name = "broken"
+
+    def victim(self):
+        super().victim()
+        return b"never-cached"
+
+
 def test_policy_choosing_a_non_cached_victim_is_an_internal_error_naming_it():
-    class BrokenPolicy(LRUPolicy):
-        name = "broken"
-
-        def victim(self):
-            super().victim()
-            return b"never-cached"
-
     pool = BlockPool(2, BrokenPolicy(2))
     cached_chain(Checked(pool), [b"k0", b"k1"])
     with pytest.raises(InternalError, match="policy 'broken'"):
@@ -647,3 +650,67 @@ def test_a_pinned_block_freed_as_an_orphan_is_forgotten_by_the_policy(policy):
     assert _remembers(pool.policy, b"b") == []
     if tiers:
         assert sum(pool.policy.num_resident) == len(pool.policy) == 0
+
+
+# ---- put: allocate, seal and release in one call ---------------------------------------------
+class RecordingObserver:
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+
+    def sealed(self, rows):
+        self.log.append(("sealed", rows))
+
+    def evicted(self, block_id):
+        self.log.append(("evicted", block_id))
+
+
+def test_put_is_allocate_seal_and_release_in_one_call(policy):
+    # The same blocks, tables, counters, generations, journal rows and policy order as the three
+    # calls, through evictions of both kinds of key the C takes (bytes and tuples of ints).
+    observers = [RecordingObserver(), RecordingObserver()]
+    put_pool, three_calls = (Checked(BlockPool(4, policy, observer=observer))
+                             for observer in observers)
+    keys = [b"k%d" % i if i % 2 else (i % 3, i) for i in range(11)]
+    for number, key in enumerate(keys):
+        tier = number % 2
+        block_ids = three_calls.allocate(1, A)
+        three_calls.seal(block_ids, [key], A, tiers=[tier])
+        three_calls.release(block_ids, A)
+        assert put_pool.put(key, tier) == block_ids[0]
+        assert put_pool.touch(keys[0]) == three_calls.touch(keys[0])  # (reorders the policy)
+    assert snapshot(put_pool) == snapshot(three_calls)
+    assert bytes(put_pool.tables.tier) == bytes(three_calls.tables.tier)
+    assert observers[0].log == observers[1].log and len(observers[0].log) == 11 + 7
+    assert put_pool.counters["allocations"] == put_pool.counters["seals"] == 11
+    new_keys = [b"new%d" % i for i in range(4)]  # the policies agree: the same victims, in order
+    assert [put_pool.put(key) for key in new_keys] == [three_calls.put(key) for key in new_keys]
+
+
+def test_put_returns_none_when_no_block_is_free_or_evictable(policy):
+    pool = make_pool(2, policy)
+    pool.allocate(1, A)
+    pool.seal(pool.allocate(1, B), [b"k"], B)  # owned and sealed: neither evictable
+    before = snapshot(pool)
+    assert pool.put(b"other") is None
+    assert snapshot(pool) == before
+
+
+@pytest.mark.parametrize("key, tier, match", [
+    (b"cached", 0, "holds it already"), (b"sealed", 0, "holds it already"),
+    (None, 0, "not a content hash"), ([1], 0, "not hashable"), (b"new", 2, "tier"),
+    (b"new", -1, "tier"), (b"new", True, "tier"), (b"new", 1.0, "tier")])
+def test_put_misuse_is_a_typed_error_and_changes_nothing(key, tier, match):
+    pool = make_pool(3)
+    pool.put(b"cached")
+    pool.seal(pool.allocate(1, A), [b"sealed"], A)
+    before = snapshot(pool)
+    with pytest.raises(BadArgsError, match=match):
+        pool.put(key, tier)
+    assert snapshot(pool) == before
+
+
+def test_put_on_a_policy_choosing_a_non_cached_victim_is_an_internal_error():
+    pool = BlockPool(1, BrokenPolicy(1))
+    pool.put(b"k0")
+    with pytest.raises(InternalError, match="policy 'broken'"):
+        pool.put(b"k1")

@@ -4,6 +4,7 @@ rows that no longer describe the segment are dropped rather than guessed at."""
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -119,9 +120,11 @@ def test_tiers_come_back_for_a_tiered_policy():
     pool.check_invariants()
 
 
-def test_an_uncommitted_eviction_never_restores_the_new_owners_bytes(tmp_path):
+def test_an_uncommitted_eviction_never_restores_the_new_owners_bytes(tmp_path, monkeypatch):
     """Tombstones ride with the next seal's commit; a crash before it must still not restore an
     evicted block under its old hash: the eviction bumped the block's generation first."""
+    # (tests/server's folder is on sys.path only when pytest collected a file there)
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "server"))
     from test_journal import on_disk
 
     journal = Journal(tmp_path / "state")

@@ -4,7 +4,7 @@ The model is the lifecycle of DESIGN.md section 3 written the obvious way: a sta
 pins per owner, a hash per block and an index. It does not predict which victim a policy picks;
 it checks that every block an allocation took from the cache was evictable in the model, then
 applies that choice. After every step the pool's invariants hold and the pool equals the model.
-Misuse (wrong owner, wrong state, over-release) must raise the error the model predicts and change
+Misuse (wrong owner, wrong state, over-release, a put of an indexed key) must raise the error the model predicts and change
 nothing.
 """
 
@@ -141,6 +141,22 @@ class PoolMachine(RuleBasedStateMachine):
             if self.model.state[block_id] != "owned":
                 return InUseError
         return BadArgsError if len(set(block_ids)) != len(block_ids) else None
+
+    @rule(key=st.sampled_from(KEYS), tier=st.sampled_from([0, 1]))
+    def put(self, key: bytes, tier: int) -> None:
+        model = self.model
+        if key in model.index:
+            self.expect_error(BadArgsError, self.pool.put, key, tier)
+            return
+        free, cached = model.blocks_in("free"), model.blocks_in("cached")
+        block_id = self.pool.put(key, tier)
+        if not free and not cached:
+            assert block_id is None
+            return
+        if not free:  # the policy's victim, whichever it chose, must have been evictable
+            model.evict(block_id)
+        model.state[block_id], model.key[block_id] = "cached", key
+        model.index[key] = block_id
 
     @rule(owner=OWNERS, keys=st.lists(st.sampled_from(KEYS), max_size=4))
     def lookup(self, owner: int, keys: list[bytes]) -> None:

@@ -1,8 +1,8 @@
 """kvd/core/_pool.c against kvd/core/pool.py's Python, which is its specification.
 
 Two pools -- one with the C bound to its tables, one without -- take the same random operations
-(allocations, seals with and without parents and tiers, duplicates, lookups, pins, releases, dead
-owners, chosen victims, and misuse: unknown ids, ids named twice, bools, foreign owners, keys that
+(allocations, seals with and without parents and tiers, duplicates, puts, lookups, pins, releases,
+dead owners, chosen victims, and misuse: unknown ids, ids named twice, bools, foreign owners, keys that
 are not bytes) and must answer alike (results and error messages) and end every step with equal
 tables, equal policy state, equal observer logs and equal invariants. A counting wrapper around
 the bound object checks that the C really did the work (it may decline any call, and the Python
@@ -66,6 +66,10 @@ class CountingLoops:
     def seal(self, block_ids: Any, keys: Any, *args: Any) -> Any:
         return self._count("seal", self.loops.seal(block_ids, keys, *args), len(block_ids))
 
+    def put(self, key: Any, tier: Any) -> Any:
+        answer = self.loops.put(key, tier)
+        return self._count("put", answer, 1) if type(answer) is int else answer
+
     def lookup(self, keys: Any, owner: int) -> Any:
         return self._count("lookup", self.loops.lookup(keys, owner), len(keys))
 
@@ -127,6 +131,7 @@ class Driver:
         self.one_block_share = one_block_share  # requests made of one block (a worker's traffic)
         self.keys: list[Any] = [b"key-%d" % i for i in range(num_keys)]
         self.keys += [("tuple-key", i) for i in range(3)]  # the embedded API allows any hashable
+        self.put_keys = [(0, i) for i in range(num_keys // 2)]  # the embedded cache's: C puts them
 
     def some_ids(self, pool: BlockPool, owner: int) -> list[Any]:
         rng = self.rng
@@ -147,7 +152,7 @@ class Driver:
         rng = self.rng
         owner = rng.randrange(3)
         kind = rng.choices(["allocate", "seal", "release", "lookup", "pin", "release_owner",
-                            "choose_next_victim"], weights=[6, 6, 6, 5, 2, 1, 1])[0]
+                            "choose_next_victim", "put"], weights=[6, 6, 6, 5, 2, 1, 1, 4])[0]
         if kind == "allocate":
             one = rng.random() < self.one_block_share
             return kind, (1 if one else rng.choice([0, 1, 2, 5, 16, 40]), owner)
@@ -175,6 +180,9 @@ class Driver:
             start = rng.randrange(len(self.keys))
             length = 1 if rng.random() < self.one_block_share else rng.randint(0, 12)
             return kind, ([self.keys[(start + i) % len(self.keys)] for i in range(length)], owner)
+        if kind == "put":  # (a key indexed already, or a bad tier, must raise)
+            key = rng.choice(self.keys if rng.random() < 0.3 else self.put_keys)
+            return kind, (key, rng.choice([0, 1, 0, 1, 0, 2, True]))
         if kind == "release_owner":
             return kind, (owner,)
         return kind, ()
@@ -240,7 +248,7 @@ def test_the_c_changes_nothing_a_policy_or_the_pool_can_see(policy: str) -> None
     handled: Counter[str] = Counter()
     for seed in range(6):
         handled += run_twins(policy, seed, num_ops=400)
-    for operation in ("allocate", "seal", "lookup", "pin", "release", "journal_rows"):
+    for operation in ("allocate", "seal", "lookup", "pin", "release", "journal_rows", "put"):
         assert handled[operation] > 100, (operation, handled)  # the C side did real work
     assert handled["evict"] > 20 and handled["evictions"] > 100, handled
 
@@ -319,7 +327,13 @@ def test_the_c_declines_what_it_does_not_vouch_for_and_changes_nothing() -> None
     assert loops.release([ids[0], ids[0]], 1) is False  # named twice: Python counts pins
     assert loops.lookup([b"a", ("t",)], 1) is None and loops.lookup((b"a",), 1) is None
     assert loops.journal_rows([ids[0], 8]) is None
+    for key, tier in ((b"a", 0), (("t",), 0), ((1, True), 0), ((1, 2.0), 0), ((), 2), (b"x", -1),
+                      (b"x", True), (b"x", 1.0)):  # indexed already, not a key put hashes, tiers
+        assert loops.put(key, tier) is None, (key, tier)
     assert snapshot(pool) == before
+    pool.allocate(pool.num_free, owner=2)
+    assert pool.num_available == 0 and loops.put(b"x", 0) is None  # nothing free or evictable
+    before = snapshot(pool)
     with pytest.raises(TypeError, match="takes 2 arguments"):
         loops.release([])
 

@@ -8,7 +8,7 @@ daemon's group commit would), keeps replacing cached blocks by new seals until t
 is as long as compaction lets it grow (about 2 records per live block: the worst case a recovery
 reads), and then SIGKILLs itself: segment and un-checkpointed WAL journal are left exactly as a
 crash leaves them. Each repeat then recovers:
-  * end to end, in a fresh child: `Daemon(recover=True).start()` (flock, journal open, stamp
+  * end to end, in a fresh child: `launch(DaemonConfig(recover=True))` (flock, journal open, stamp
     check, journal load, pool build, restore, generation bump, socket bind), what a restart costs
     once Python is up; the first repeat reads the crash-left WAL, later ones a checkpointed
     journal;
@@ -69,19 +69,21 @@ def churn(pool: Any, journal: Any, first_key: int, num_rounds_compacting: int = 
 
 
 # ---- the children ---------------------------------------------------------------------------
-def in_process_daemon(name: str, num_blocks: int, recover: bool) -> Any:
+def daemon_config(name: str, num_blocks: int, recover: bool) -> Any:
     from kvd.runtime import DaemonPaths
-    from kvd.server.daemon import Daemon as InProcessDaemon
+    from kvd.server.daemon import DaemonConfig
 
-    return InProcessDaemon(DaemonPaths.for_name(name), geometry_of(num_blocks, GEOMETRY),
-                           recover=recover)
+    return DaemonConfig(DaemonPaths.for_name(name), geometry_of(num_blocks, GEOMETRY),
+                        recover=recover)
 
 
 def child_fill(name: str, num_blocks: int) -> dict[str, Any]:
     """Seal the whole pool through the daemon's pool and journal, churn, then die like a crash."""
     started = time.perf_counter()
-    daemon = in_process_daemon(name, num_blocks, recover=False)
-    daemon.start()
+    from kvd.server.daemon import launch
+
+    config = daemon_config(name, num_blocks, recover=False)
+    daemon = launch(config)
     pool, journal = daemon.service.pool, daemon.journal
     block_ids = pool.allocate(num_blocks, OWNER)
     random.Random(0).shuffle(block_ids)  # seal order is not block order after real traffic
@@ -95,7 +97,7 @@ def child_fill(name: str, num_blocks: int) -> dict[str, Any]:
     print(json.dumps({"fill_s": time.perf_counter() - started, "num_churned": num_churned,
                       "num_log_records": journal.num_log_records,
                       "journal_nbytes": sum(path.stat().st_size
-                                            for path in Path(daemon.state_dir).iterdir())}),
+                                            for path in Path(config.journal_dir).iterdir())}),
           flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
     raise AssertionError("unreachable")
@@ -115,12 +117,14 @@ def child_recover(name: str, num_blocks: int) -> dict[str, Any]:
         times[f"{step}_s"], times[f"{step}_cpu_s"] = now[0] - since[0], now[1] - since[1]
         return now
 
-    daemon = in_process_daemon(name, num_blocks, recover=True)
+    from kvd.server.daemon import launch
+
+    config = daemon_config(name, num_blocks, recover=True)
     clock = time.perf_counter(), time.process_time()
-    daemon.start()
+    daemon = launch(config)
     lap("end_to_end", clock)
-    if daemon.num_restored != num_blocks:
-        raise SystemExit(f"recovered {daemon.num_restored} blocks, expected {num_blocks}")
+    if daemon.started.num_restored != num_blocks:
+        raise SystemExit(f"recovered {daemon.started.num_restored} blocks, expected {num_blocks}")
     daemon.stop(keep=True)
     daemon.serve_forever()  # returns at once: stopping, keeps segment and journal
 

@@ -46,7 +46,7 @@ from bench.control_plane import NUM_BLOCKS, OPS
 from kvd import protocol
 from kvd.protocol import PROTOCOL_VERSION, FrameDecoder, FrameEncoder, decode_reply, decode_request
 from kvd.runtime import DaemonPaths
-from kvd.server.daemon import Daemon
+from kvd.server.daemon import DaemonConfig, launch
 
 ROUND = ("alloc", "seal", "release", "lookup", "release")  # the control plane's round
 STAGES = ("decode", "handle", "encode")
@@ -62,8 +62,8 @@ class InlineDaemon:
                             lock_path=os.path.join(directory, "kvd.lock"),
                             pid_path=os.path.join(directory, "kvd.pid"),
                             segment_name=f"/kvd-{os.getuid()}-{name}")
-        self.daemon = Daemon(paths, geometry_of(NUM_BLOCKS), state_dir=directory, journal=False)
-        self.daemon.start()
+        self.daemon = launch(DaemonConfig(paths, geometry_of(NUM_BLOCKS), state_dir=directory,
+                                          journal=False))
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(paths.socket_path)
         self.daemon.serve_once(1.0)  # accept

@@ -526,23 +526,18 @@ def test_out_of_fds_the_daemon_rests_its_listener_instead_of_spinning(tmp_path):
         daemon.stop_and_check()
 
 
-@pytest.mark.parametrize("how", ["launch", "Daemon"])
-def test_a_started_daemon_keeps_under_30_attributes(tmp_path, how):
+def test_a_started_daemon_keeps_under_30_attributes(tmp_path):
     """From 30 instance attributes on, CPython 3.11 stops sharing the instance dict's keys and
     every `self.x` in the loop gets slower: the daemon's own request path was 4 % slower
     (bench/request_path.py) the day a change took it to 30. Keep what the loop never reads in
-    `started`. Both ways to start one in-process count: `kvd start`'s and bench's."""
-    from kvd.server.daemon import Daemon, DaemonConfig, launch
+    `started`."""
+    from kvd.server.daemon import DaemonConfig, launch
     from kvd.geometry import Geometry
 
     paths = DaemonPaths.for_name(daemon_name(), str(tmp_path / "kvd.sock"))
     geometry = Geometry(num_blocks=4, num_layers=1, block_size=2, num_kv_heads=1, head_dim=8)
     state_dir = str(tmp_path / "state")
-    if how == "launch":
-        daemon = launch(DaemonConfig(paths, geometry, state_dir=state_dir))
-    else:
-        daemon = Daemon(paths, geometry, state_dir=state_dir)
-        daemon.start()
+    daemon = launch(DaemonConfig(paths, geometry, state_dir=state_dir))
     try:
         assert len(vars(daemon)) < 30, sorted(vars(daemon))
     finally:

@@ -510,8 +510,14 @@ class Journal:
 
     # ---- stamp and recovery ----------------------------------------------------------------
     def read_stamp(self) -> dict[str, Any]:
-        rows = self._db.execute("SELECT key, value FROM stamp").fetchall()
-        return {key: json.loads(value) for key, value in rows}
+        """Raises:
+            JournalError: the stamp cannot be read (a damaged row or table)."""
+        try:
+            rows = self._db.execute("SELECT key, value FROM stamp").fetchall()
+            return {key: json.loads(value) for key, value in rows}
+        except (sqlite3.Error, ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+            raise JournalError(f"the stamp of the journal {self.path} cannot be read "
+                               f"({exc})") from None
 
     def reset(self, stamp: dict[str, Any]) -> None:
         """Forget every block and record a new stamp (a clean start)."""

@@ -18,9 +18,10 @@ from kvd.core.policies import DEFAULT_POLICY, POLICIES, TIER_NAMES, parse_tiers
 from kvd.errors import BadArgsError, DisconnectedError, KvdError
 from kvd.geometry import DTYPES, Geometry
 from kvd.protocol import codec
-from kvd.runtime import DEFAULT_NAME, DaemonPaths, runtime_dir
+from kvd.runtime import DEFAULT_NAME, SHM_DIR, DaemonPaths, runtime_dir
 
 if TYPE_CHECKING:  # (the daemon's modules load only for `kvd start`)
+    from kvd.client import Client
     from kvd.server.startup import DaemonConfig, Started
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -179,8 +180,15 @@ def _socket_of(args: argparse.Namespace) -> str:
     return args.socket or DaemonPaths.for_name(args.name).socket_path
 
 
+def _control_client(args: argparse.Namespace) -> Client:
+    """A session that maps no segment: status and stop must work when it was deleted."""
+    from kvd.client import Client
+
+    return Client(_socket_of(args), timeout_s=args.timeout, reconnect_timeout_s=0,
+                  map_segment=False)
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
-    from kvd.client import connect
     from kvd.server.startup import is_running
 
     if not args.timeout > 0:
@@ -188,7 +196,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     paths = DaemonPaths.for_name(args.name, args.socket)
     deadline = time.monotonic() + args.timeout
     try:
-        with connect(_socket_of(args), timeout_s=args.timeout, reconnect_timeout_s=0) as client:
+        with _control_client(args) as client:
             client.shutdown(keep=args.keep)
     except DisconnectedError:
         if not is_running(paths):
@@ -213,15 +221,15 @@ EXIT_NOT_RESPONDING = 4  # "status unknown": the name is held, the daemon does n
 
 
 def _daemon_stats(args: argparse.Namespace) -> tuple[dict[str, Any] | None, int, str]:
-    """`(stats, 0, "")`, or `(None, exit code, why)` when the daemon cannot say."""
-    from kvd.client import connect
+    """`(stats, 0, "")`, or `(None, exit code, why)` when the daemon cannot say. The stats carry
+    `segment`, the name of the segment the daemon serves (from its hello)."""
     from kvd.server.startup import is_running
 
     if not args.timeout > 0:
         raise BadArgsError(f"--timeout must be > 0 seconds, got {args.timeout}")
     try:
-        with connect(_socket_of(args), timeout_s=args.timeout, reconnect_timeout_s=0) as client:
-            return client.stats(), 0, ""
+        with _control_client(args) as client:
+            return {**client.stats(), "segment": client.info["segment"]}, 0, ""
     except DisconnectedError:
         if is_running(DaemonPaths.for_name(args.name, args.socket)):
             return (None, EXIT_NOT_RESPONDING,
@@ -240,6 +248,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"  geometry: {g['num_blocks']} blocks × (layers {g['num_layers']}, 2, block_size "
           f"{g['block_size']}, kv_heads {g['num_kv_heads']}, head_dim {g['head_dim']}) "
           f"{g['dtype']}")
+    if not os.path.exists(SHM_DIR + stats["segment"]):
+        print(f"  segment {stats['segment']} is MISSING (deleted under the running daemon): "
+              "no client can attach; `kvd stop` it and start again")
     return 0
 
 

@@ -142,11 +142,13 @@ class Client:
     """
 
     def __init__(self, socket_path: str, timeout_s: float | None = None,
-                 reconnect_timeout_s: float = 10.0) -> None:
+                 reconnect_timeout_s: float = 10.0, map_segment: bool = True) -> None:
         """Args:
             timeout_s: how long one reply may take (None: wait forever).
             reconnect_timeout_s: how long to keep retrying (with backoff) when the daemon goes
                 away mid-session, e.g. while it restarts with --recover; 0 never reconnects.
+            map_segment: False maps nothing, for ops that need no block (`kvd status`, `kvd
+                stop`): they then work even when the daemon's segment was deleted under it.
         """
         if timeout_s is not None and not (_is_seconds(timeout_s) and timeout_s > 0):
             raise BadArgsError("timeout_s must be a number of seconds > 0, or None to wait for "
@@ -157,6 +159,7 @@ class Client:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self.reconnect_timeout_s = reconnect_timeout_s
+        self.map_segment = map_segment
         self.num_reconnects = 0
         self._sock: socket.socket | None = None
         self._segment: Segment | None = None
@@ -222,6 +225,8 @@ class Client:
                                     f"hello within timeout_s={self.timeout_s} s") from None
         self.geometry = Geometry.from_dict(self.info["geometry"])
         self.session_id: int = self.info["session_id"]
+        if not self.map_segment:
+            return
         if self._segment_uuid == self.info["segment_uuid"]:
             return  # a recovered daemon serves the same segment: every view stays valid
         if self._segment is not None:
@@ -605,6 +610,9 @@ class Client:
     def pool(self) -> np.ndarray:
         """Every block: `(num_blocks, num_layers, 2, block_size, H, D)`, a view of shared memory."""
         if self._pool is None:
+            if not self.map_segment:
+                raise InUseError("this client was made with map_segment=False: it maps no "
+                                 "block; use kvd.connect()")
             if self._segment is None:
                 raise DisconnectedError("the client is closed: call kvd.connect() again")
             self._pool = self._segment.pool

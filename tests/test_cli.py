@@ -199,6 +199,22 @@ def test_stop_and_status_of_a_hung_daemon_are_bounded_and_say_so(kvd_daemon):
     assert kvd_daemon.proc.poll() is None  # still serving after all of that
 
 
+def test_status_and_stop_work_when_the_segment_was_deleted_under_the_daemon(kvd_daemon):
+    """Regression: with its segment unlinked from /dev/shm, `kvd status` said "not responding"
+    and `kvd stop` could not stop the daemon: both attached the segment before asking."""
+    segment_path = f"/dev/shm{kvd_daemon.paths.segment_name}"
+    os.unlink(segment_path)
+    status = kvd_cli("status", "--name", kvd_daemon.name, timeout_s=20)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert " up " in status.stdout and "64 blocks" in status.stdout
+    assert f"segment {kvd_daemon.paths.segment_name} is MISSING" in status.stdout
+    stop = kvd_cli("stop", "--name", kvd_daemon.name, timeout_s=20)
+    assert stop.returncode == 0, stop.stderr
+    assert kvd_daemon.proc.wait(20) == 0
+    assert leftovers(kvd_daemon.paths) == []
+    assert "Traceback" not in kvd_daemon.log()
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--metrics-port", "99999"], "is not a TCP port"),
     (["--metrics-port", "http"], "is not a TCP port"),

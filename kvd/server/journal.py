@@ -301,6 +301,7 @@ class Journal:
         # Read once (os.environ costs ~1 us a look, on every commit).
         self._fail_file = os.environ.get("KVD_JOURNAL_FAIL_FILE")
         try:
+            _make_private(self.path)
             self._db = sqlite3.connect(self.path, isolation_level=None)
             # One writer (the daemon holds the name's flock anyway): no shared-memory WAL index
             # and no file locking per transaction saves ~5 us of CPU per commit (of ~25 at batch
@@ -313,9 +314,8 @@ class Journal:
             # reply's path: tidy() checkpoints first; this one is only a backstop.
             self._db.execute(f"PRAGMA wal_autocheckpoint={2 * CHECKPOINT_NBYTES // PAGE_NBYTES}")
             self._db.executescript(_SCHEMA)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             raise JournalError(f"cannot open the journal {self.path}: {exc}") from None
-        os.chmod(self.path, 0o600)
         self._cursor = self._db.cursor()  # reused: conn.execute() makes a cursor per call
         self._num_wal_nbytes = 0  # about what the WAL holds since the last checkpoint
         # Pending seals by block id: an eviction of a block sealed since the last commit drops
@@ -510,8 +510,14 @@ class Journal:
 
     # ---- stamp and recovery ----------------------------------------------------------------
     def read_stamp(self) -> dict[str, Any]:
-        rows = self._db.execute("SELECT key, value FROM stamp").fetchall()
-        return {key: json.loads(value) for key, value in rows}
+        """Raises:
+            JournalError: the stamp cannot be read (a damaged row or table)."""
+        try:
+            rows = self._db.execute("SELECT key, value FROM stamp").fetchall()
+            return {key: json.loads(value) for key, value in rows}
+        except (sqlite3.Error, ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+            raise JournalError(f"the stamp of the journal {self.path} cannot be read "
+                               f"({exc})") from None
 
     def reset(self, stamp: dict[str, Any]) -> None:
         """Forget every block and record a new stamp (a clean start)."""
@@ -537,6 +543,17 @@ class Journal:
         """Close and delete the journal files (a plain `kvd stop`)."""
         self.close()
         remove_journal(self.state_dir)
+
+
+def _make_private(path: Path) -> None:
+    """Create the database file 0600 before SQLite opens it, and make 0600 any journal file left
+    by an older kvd: SQLite creates the -wal and -shm files with the database file's mode."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+    for suffix in ("", "-wal", "-shm"):
+        try:
+            os.chmod(f"{path}{suffix}", 0o600)
+        except FileNotFoundError:
+            pass
 
 
 def remove_journal(state_dir: str | os.PathLike[str]) -> None:

@@ -27,7 +27,10 @@ more non-blocking select to let them join it cost more seal throughput than the 
 saved (4 clients at batch 16, `python -m bench.seal_throughput`).
 
 A connection is closed for framing errors (the byte stream is unsynchronised), when its peer
-dies, and when it lets more than MAX_OUTPUT_NBYTES of replies pile up unread. Closing releases the
+dies, when it lets more than MAX_OUTPUT_NBYTES of replies pile up unread, and when it has not
+said hello within HELLO_TIMEOUT_S of its accept (a silent connection would otherwise hold a
+session and an fd forever). Connections wait for their hello in accept order, all with the same
+timeout, so the loop checks only the oldest ones: nothing per request. Closing releases the
 session's pins and frees its unsealed blocks (Service.close_session). Every other bad request gets
 an error reply and the session goes on; an unexpected exception in a handler is logged and
 answered INTERNAL — no client can take the daemon down. A kvd bug that escapes the loop itself
@@ -61,6 +64,7 @@ log = logging.getLogger("kvd")
 RECV_NBYTES = 256 * 1024
 MAX_OUTPUT_NBYTES = 16 * 1024 * 1024
 ACCEPT_RETRY_S = 1.0  # out of fds: how long the listener rests before the loop tries again
+HELLO_TIMEOUT_S = 10.0  # a connection that has not said hello by then is closed
 _PEERCRED = struct.Struct("3i")
 
 
@@ -102,6 +106,9 @@ class Server:
         self._encoder = FrameEncoder()  # the loop's own: replies are packed on this thread only
         self._frame = self._encoder.frame
         self._accept_retry_at: float | None = None  # not accepting (out of fds) until then
+        # Connections accepted in the last HELLO_TIMEOUT_S -> when their hello is due, in accept
+        # order (so in deadline order); those that said it leave once their deadline passes.
+        self._hello_due: dict[Connection, float] = {}
         self._next_journal_retry = 0.0
         try:
             self._selector.register(self._listener, selectors.EVENT_READ,
@@ -170,6 +177,18 @@ class Server:
         self.service.pool.choose_next_victim()
         if self._accept_retry_at is not None and time.monotonic() >= self._accept_retry_at:
             self._resume_accepting()
+        if self._hello_due:
+            self._close_silent()
+
+    def _close_silent(self) -> None:
+        """Close the connections whose hello is overdue (module docstring)."""
+        now = time.monotonic()
+        for connection, due in list(self._hello_due.items()):
+            if due > now:
+                return
+            del self._hello_due[connection]
+            if not connection.session.is_ready:
+                self._close(connection, f"no hello within {HELLO_TIMEOUT_S:g} s")
 
     def _on_listener(self, _: None, mask: int) -> None:
         self._accept()
@@ -216,6 +235,7 @@ class Server:
         connection = Connection(sock, session, pidfd)
         self._connections[sock.fileno()] = connection
         self._selector.register(sock, selectors.EVENT_READ, (self._read, connection))
+        self._hello_due[connection] = time.monotonic() + HELLO_TIMEOUT_S
         if not is_alive:
             self._close(connection, "peer process exited before accept")
             return
@@ -401,6 +421,7 @@ class Server:
         fd = connection.sock.fileno()
         if self._connections.pop(fd, None) is None:
             return
+        self._hello_due.pop(connection, None)
         self._selector.unregister(connection.sock)
         connection.sock.close()
         if connection.pidfd is not None:

@@ -6,6 +6,8 @@ A daemon that crashed (or stopped with --keep) leaves its segment, with the KV d
 journal (kvd/server/journal.py), which maps content hashes to the segment's blocks. `kvd start
 --recover` serves them again only if the journal provably describes that very segment; anything
 less starts clean, logged, never an error: a wrong mapping would hand workers another prompt's KV.
+The one refusal is a stamp that cannot be read: starting clean would overwrite a journal nobody
+could check, so the start fails (JournalError) and keeps segment and journal as they were.
 
     attach      the segment exists, is ours and has this kvd's layout (Segment.attach checks)
     boot        it was created in this boot: memory from before a reboot is gone
@@ -55,7 +57,13 @@ def attach_recoverable(segment_name: str, geometry: Geometry,
         log.warning("recovery: no usable segment (%s); starting clean", exc)
         return None
     expected = stamp(segment)
-    found = journal.read_stamp()
+    try:
+        found = journal.read_stamp()
+    except JournalError as exc:
+        segment.close()
+        raise JournalError(f"recovery: {exc}; the segment and the journal are kept as they "
+                           f"were: move {journal.state_dir} aside to keep it, or start without "
+                           f"--recover to start clean") from None
     reason = None
     if segment.boot_id != current_boot_id():
         reason = "the segment is from another boot"

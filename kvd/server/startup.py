@@ -26,8 +26,9 @@ failure anywhere unwinds exactly what was made, and a stopping loop unwinds the 
 
 What a release keeps is `Stop.keep`. A plain stop and a failed start remove segment and journal.
 Both stay as they were, for the next --recover, after `kvd stop --keep`, after a kvd bug escaped
-the loop, and after a --recover start that failed once it had re-attached the crashed daemon's
-segment: a bad flag must not cost the cache.
+the loop, after a --recover start that failed once it had re-attached the crashed daemon's
+segment (a bad flag must not cost the cache), and after a --recover refused because the journal's
+stamp could not be read (what could not be read is never deleted).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import numpy as np
 
 from kvd.core.policies import make_policy
 from kvd.core.pool import BlockPool
-from kvd.errors import BadArgsError, DeniedError, InUseError, KvdError
+from kvd.errors import BadArgsError, DeniedError, InUseError, JournalError, KvdError
 from kvd.geometry import Geometry
 from kvd.runtime import SHM_DIR, DaemonPaths
 from kvd.runtime import state_dir as state_dir_of
@@ -244,7 +245,11 @@ def _recover(config: DaemonConfig, journal: Journal | None, stop: Stop,
     if journal is None:
         log.warning("recovery: --recover needs the journal; starting clean")
         return None
-    recovered = attach_recoverable(config.paths.segment_name, config.geometry, journal)
+    try:
+        recovered = attach_recoverable(config.paths.segment_name, config.geometry, journal)
+    except JournalError:
+        stop.keep = True  # a journal that could not be read is never deleted
+        raise
     if recovered is None:
         return None
     segment, rows = recovered

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -490,16 +491,22 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def test_out_of_fds_the_daemon_rests_its_listener_instead_of_spinning(tmp_path):
-    """Regression: once accept() failed with EMFILE the listener stayed readable, so the loop
-    spun a whole core and logged 'accept failed' millions of times (7 MB in 2 s)."""
+def start_scripted(script: str, tmp_path: Path) -> DaemonHandle:
+    """`kvd start` (SMALL geometry) through `python -c script`, which then runs kvd.cli."""
     name = daemon_name()
     log_path = tmp_path / f"{name}.log"
-    command = [sys.executable, "-c", LIMITED_START, "start", "--name", name,
+    command = [sys.executable, "-c", script, "start", "--name", name,
                *(f"--{key.replace('_', '-')}={value}" for key, value in SMALL.items())]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(command, env=child_env(), cwd=ROOT, stdout=log, stderr=log)
-    daemon = DaemonHandle(name, proc, DaemonPaths.for_name(name), log_path)
+    return DaemonHandle(name, proc, DaemonPaths.for_name(name), log_path)
+
+
+def test_out_of_fds_the_daemon_rests_its_listener_instead_of_spinning(tmp_path):
+    """Regression: once accept() failed with EMFILE the listener stayed readable, so the loop
+    spun a whole core and logged 'accept failed' millions of times (7 MB in 2 s)."""
+    daemon = start_scripted(LIMITED_START, tmp_path)
+    proc, log_path = daemon.proc, daemon.log_path
     clients = []
     try:
         daemon.wait_ready()
@@ -523,6 +530,34 @@ def test_out_of_fds_the_daemon_rests_its_listener_instead_of_spinning(tmp_path):
     finally:
         for sock in clients:
             sock.close()
+        daemon.stop_and_check()
+
+
+SHORT_HELLO_START = ("import runpy, sys; import kvd.server.loop as loop; "
+                     "loop.HELLO_TIMEOUT_S = 0.5; "
+                     "sys.argv[0] = 'kvd'; runpy.run_module('kvd.cli', run_name='__main__')")
+
+
+def test_a_connection_that_never_says_hello_is_closed(tmp_path):
+    """Regression: a connection that never said hello kept its session (and an fd) forever.
+    With the timeout cut to 0.5 s, the silent one is closed and the greeted one is served."""
+    daemon = start_scripted(SHORT_HELLO_START, tmp_path)
+    silent = greeted = None
+    try:
+        daemon.wait_ready()
+        silent, greeted = Raw(daemon.paths.socket_path), Raw(daemon.paths.socket_path)
+        greeted.hello()
+        started = time.monotonic()
+        assert silent.reply() is None  # EOF: the daemon closed it
+        assert time.monotonic() - started < 4.0
+        time.sleep(1.0)  # past the greeted one's deadline too
+        reply = greeted.request("stats", {})
+        assert reply[1] is True and reply[2]["sessions"] == 1, reply
+        assert "closed: no hello within 0.5 s" in daemon.log()
+    finally:
+        for raw in (silent, greeted):
+            if raw is not None:
+                raw.close()
         daemon.stop_and_check()
 
 

@@ -177,14 +177,43 @@ def test_injected_write_failure_raises_journal_error_and_writes_nothing(tmp_path
 
 
 def test_files_are_private_and_remove_deletes_them(tmp_path):
+    """Regression: journal.sqlite3-wal was created 0644 (SQLite gives it the database file's
+    mode, and the database was made 0600 only after the schema's first write)."""
     state_dir = tmp_path / "state" / "name"
+    old_umask = os.umask(0o022)
+    try:
+        journal = Journal(state_dir)
+        seal(journal, 1, b"x")
+        journal.commit()
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(state_dir.stat().st_mode) == 0o700
+    files = sorted(path.name for path in state_dir.iterdir())
+    assert f"{JOURNAL_FILENAME}-wal" in files
+    assert {name: stat.S_IMODE((state_dir / name).stat().st_mode) for name in files} == \
+        {name: 0o600 for name in files}
+    journal.remove()
+    assert not state_dir.exists()
+
+
+def test_reopening_makes_files_left_readable_private(tmp_path):
+    """A journal an older kvd left with a 0644 WAL is made private when it is opened again."""
+    state_dir = tmp_path / "state"
     journal = Journal(state_dir)
     seal(journal, 1, b"x")
     journal.commit()
-    assert stat.S_IMODE(state_dir.stat().st_mode) == 0o700
-    assert stat.S_IMODE((state_dir / JOURNAL_FILENAME).stat().st_mode) == 0o600
-    journal.remove()
-    assert not state_dir.exists()
+    wal = state_dir / f"{JOURNAL_FILENAME}-wal"
+    copies = {suffix: (state_dir / f"{JOURNAL_FILENAME}{suffix}").read_bytes()
+              for suffix in ("", "-wal")}  # (a crash leaves the WAL: close would remove it)
+    journal.close()
+    for suffix, data in copies.items():
+        path = state_dir / f"{JOURNAL_FILENAME}{suffix}"
+        path.write_bytes(data)
+        path.chmod(0o644)
+    with contextlib.closing(Journal(state_dir)) as journal:
+        assert stat.S_IMODE(wal.stat().st_mode) == 0o600
+        assert stat.S_IMODE((state_dir / JOURNAL_FILENAME).stat().st_mode) == 0o600
+        assert journal.load().block_ids.tolist() == [1]
 
 
 def test_remove_keeps_a_directory_holding_foreign_files(tmp_path):

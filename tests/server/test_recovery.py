@@ -22,6 +22,7 @@ import random
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -930,6 +931,30 @@ def test_a_start_that_fails_after_recovering_keeps_the_cache_for_the_next(restar
     assert "kvd: cannot serve metrics" in daemon.log(offset)
     assert "Traceback" not in daemon.log(offset)
     assert os.path.exists(daemon.segment_path) and daemon.journal_path.exists()
+    recover_all(daemon, sealed)
+    daemon.stop_cli()
+
+
+def test_an_unreadable_stamp_refuses_recovery_and_keeps_what_it_could_not_read(restartable):
+    """Regression: a stamp row that is not JSON killed `kvd start --recover` with a raw
+    JSONDecodeError, and the failed start deleted the journal, so the next --recover started
+    clean. Now it is a typed refusal that keeps segment and journal: repaired, they recover."""
+    daemon = restartable()
+    sealed = crash_with_sealed(daemon, 10)
+    with sqlite3.connect(daemon.journal_path) as db:
+        (good,) = db.execute("SELECT value FROM stamp WHERE key = 'segment_uuid'").fetchone()
+        db.execute("UPDATE stamp SET value = '{not json' WHERE key = 'segment_uuid'")
+    db.close()
+    offset = daemon.start("--recover", wait=False)
+    assert daemon.proc.wait(30) == 2
+    text = daemon.log(offset)
+    assert "Traceback" not in text
+    assert "kvd: recovery: the stamp of the journal" in text and "cannot be read" in text
+    assert "start without --recover" in text
+    assert os.path.exists(daemon.segment_path) and daemon.journal_path.exists()
+    with sqlite3.connect(daemon.journal_path) as db:
+        db.execute("UPDATE stamp SET value = ? WHERE key = 'segment_uuid'", (good,))
+    db.close()
     recover_all(daemon, sealed)
     daemon.stop_cli()
 

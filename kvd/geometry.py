@@ -11,6 +11,7 @@ with `torch.from_numpy(view).view(torch.bfloat16)`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,6 +21,11 @@ from kvd.errors import BadArgsError
 
 DTYPES: dict[str, np.dtype[Any]] = {
     "float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2")}
+# The most one process can map: x86-64 and 4-level aarch64 give user space 2**47 bytes (128 TiB).
+# Sizes are checked against it in Python ints, before any NumPy call could wrap them.
+MAX_POOL_NBYTES = 1 << 47
+FLAGS = {"num_blocks": "--num-blocks", "num_layers": "--layers", "block_size": "--block-size",
+         "num_kv_heads": "--kv-heads", "head_dim": "--head-dim"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,17 @@ class Geometry:
                 raise BadArgsError(f"{name} must be a positive int, got {value!r}")
         if self.dtype not in DTYPES:
             raise BadArgsError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        self._check_size()
+
+    def _check_size(self) -> None:
+        """Refuse a block or pool larger than a process can map (the largest flag is named)."""
+        for what, nbytes, names in (("a block", self.block_nbytes, tuple(FLAGS)[1:]),
+                                    ("the pool", self.pool_nbytes, tuple(FLAGS))):
+            if nbytes > MAX_POOL_NBYTES:
+                largest = max(names, key=lambda name: getattr(self, name))
+                raise BadArgsError(
+                    f"{what} of {nbytes} bytes exceeds the {MAX_POOL_NBYTES} bytes a process can "
+                    f"map: lower {FLAGS[largest]} ({getattr(self, largest)}) or the other sizes")
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -54,7 +71,7 @@ class Geometry:
 
     @property
     def block_nbytes(self) -> int:
-        return int(np.prod(self.block_shape)) * self.numpy_dtype.itemsize
+        return math.prod(self.block_shape) * self.numpy_dtype.itemsize  # no int64 wrap
 
     @property
     def pool_nbytes(self) -> int:

@@ -64,14 +64,38 @@ def private_dir(path: Path, remedy: str = "choose another directory") -> Path:
     """`path` as a directory only we can use: created 0700 if missing; refused if it is not a
     directory we own (a world-writable parent such as /tmp or /dev/shm lets others plant one);
     group and other permissions dropped."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except FileExistsError:  # something else is there, a dangling symlink say: lstat names it
+        pass
     info = path.lstat()
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise DeniedError(f"{path} is not a directory owned by uid {os.getuid()}: remove it or "
-                          f"{remedy}")
+        raise squatter(path, info, "a directory", remedy)
     if info.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
+
+
+def squatter(path: Path | str, info: os.stat_result, wanted: str, remedy: str) -> DeniedError:
+    """The error for `path` (lstat `info`) found where we need `wanted` of our own: in a
+    world-writable directory (/tmp, /dev/shm) another local user can plant it first."""
+    kind = ("a symlink" if stat.S_ISLNK(info.st_mode) else "a directory"
+            if stat.S_ISDIR(info.st_mode) else "a file")
+    return DeniedError(f"{path} is {kind} owned by uid {info.st_uid}, not {wanted} of uid "
+                       f"{os.getuid()} (another user may have planted it): remove it (its owner "
+                       f"or root can) or {remedy}")
+
+
+def check_ours(path: str, wanted: str, remedy: str) -> bool:
+    """Whether `path` exists as a regular file of ours, not following a symlink; a symlink or
+    another uid's file there is a DeniedError (`squatter`)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        raise squatter(path, info, wanted, remedy)
+    return True
 
 
 @dataclass(frozen=True)

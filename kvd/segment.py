@@ -53,6 +53,7 @@ when any attaching process exits (CPython gh-82300).
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
@@ -69,7 +70,7 @@ from kvd.errors import (
     BadArgsError, DeniedError, InUseError, NoSpaceError, NotFoundError, VersionError,
 )
 from kvd.geometry import Geometry
-from kvd.runtime import SHM_DIR
+from kvd.runtime import SHM_DIR, squatter
 
 MAGIC = b"KVDSEG\0\1"
 LAYOUT_VERSION = 1
@@ -196,6 +197,12 @@ class Segment:
         except posix_ipc.PermissionsError:
             raise DeniedError(f"segment {name} belongs to another user: run as that user or "
                               "choose another --name") from None
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:  # shm_open will not follow a symlink planted at the name
+                raise
+            path = SHM_DIR + name
+            raise squatter(path, os.lstat(path), "a kvd segment",
+                           "choose another --name") from exc
         try:
             file_nbytes = os.fstat(shm.fd).st_size
             if file_nbytes < HEADER_NBYTES:

@@ -231,3 +231,19 @@ def test_bad_start_flags_are_one_line_errors(flags, message):
     assert "Traceback" not in started.stderr
     assert started.stderr.splitlines()[-1].startswith("kvd")  # `kvd: ...` or argparse's
     assert leftovers(DaemonPaths.for_name(name)) == []
+
+
+@pytest.mark.parametrize("flag, value", [("--layers", 2**62), ("--head-dim", 2**62),
+                                         ("--num-blocks", 2**62)])
+def test_absurd_geometry_is_a_one_line_error_naming_the_flag(flag, value):
+    """Regression (issue 34 item 8): --layers 2**62 was a ZeroDivisionError traceback and
+    --head-dim 2**62 an OverflowError (np.prod wrapped the block's byte count)."""
+    name = daemon_name()
+    geometry = {"--num-blocks": "16", "--block-size": "4", "--layers": "1", "--kv-heads": "1",
+                "--head-dim": "8", "--dtype": "float32", flag: str(value)}
+    started = kvd_cli("start", "--name", name, *(arg for item in geometry.items() for arg in item))
+    assert started.returncode == 2, (started.returncode, started.stderr)
+    lines = [line for line in started.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvd: "), started.stderr
+    assert f"lower {flag} ({value})" in lines[0] and f"{2**47} bytes" in lines[0], lines[0]
+    assert leftovers(DaemonPaths.for_name(name)) == []

@@ -73,3 +73,22 @@ def test_geometry_is_immutable():
     geometry = Geometry(num_blocks=1)
     with pytest.raises(AttributeError):
         geometry.num_blocks = 2
+
+
+@pytest.mark.parametrize("field, flag", [("num_layers", "--layers"), ("head_dim", "--head-dim"),
+                                         ("num_blocks", "--num-blocks")])
+@pytest.mark.parametrize("value", [2**62, 2**64 + 1, 2**44])
+def test_sizes_past_what_a_process_can_map_are_refused_naming_the_flag(field, flag, value):
+    """Regression: --layers 2**62 was a ZeroDivisionError and --head-dim 2**62 an OverflowError
+    (np.prod wrapped the block's byte count); now every size is checked in Python ints."""
+    kwargs = {"num_blocks": 16, "block_size": 4, "num_layers": 1, "num_kv_heads": 1,
+              "head_dim": 8, "dtype": "float32", field: value}
+    match = f"exceeds the {2**47} bytes.*lower {flag} \\({value}\\)"
+    with pytest.raises(BadArgsError, match=match):
+        Geometry(**kwargs)
+
+
+def test_the_largest_mappable_pool_is_accepted():
+    geometry = Geometry(num_blocks=2**47 // 256, num_layers=1, block_size=4, num_kv_heads=1,
+                        head_dim=8, dtype="float32")
+    assert geometry.pool_nbytes == 2**47

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvd.core.pool import BlockPool, IndexRows
-from kvd.errors import JournalError, KvdError
+from kvd.errors import DeniedError, JournalError, KvdError
 from kvd.geometry import Geometry
 from kvd.hashing import HASH_VERSION
 from kvd.segment import LAYOUT_VERSION, Segment, current_boot_id
@@ -53,6 +53,8 @@ def attach_recoverable(segment_name: str, geometry: Geometry,
     """The previous segment and its journaled blocks, or None (logged) to start clean."""
     try:
         segment = Segment.attach(segment_name)
+    except DeniedError:  # not ours to map, nor to replace: the start is refused, saying why
+        raise
     except KvdError as exc:
         log.warning("recovery: no usable segment (%s); starting clean", exc)
         return None

@@ -53,7 +53,7 @@ from kvd.core.policies import make_policy
 from kvd.core.pool import BlockPool
 from kvd.errors import BadArgsError, DeniedError, InUseError, JournalError, KvdError
 from kvd.geometry import Geometry
-from kvd.runtime import SHM_DIR, DaemonPaths
+from kvd.runtime import SHM_DIR, DaemonPaths, check_ours
 from kvd.runtime import state_dir as state_dir_of
 from kvd.segment import Segment
 from kvd.server.journal import Journal, failpoint, remove_journal
@@ -280,7 +280,9 @@ def _new_pool(config: DaemonConfig, segment: Segment, journal: Journal | None) -
 def _create_segment(config: DaemonConfig, journal: Journal | None) -> Segment:
     paths = config.paths
     stale = SHM_DIR + paths.segment_name
-    if os.path.exists(stale):  # we hold the lock, so no live daemon uses it
+    # Ours, we hold the lock, so no live daemon uses it; another uid's file or a symlink there
+    # is refused rather than followed or (as root) deleted.
+    if check_ours(stale, "a kvd segment", "choose another --name"):
         log.warning("removing stale segment %s left by a daemon that crashed or stopped "
                     "with --keep (kvd start --recover keeps it)", paths.segment_name)
         os.unlink(stale)

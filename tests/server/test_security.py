@@ -138,7 +138,8 @@ def test_runtime_dir_of_another_user_is_refused_and_a_loose_one_is_tightened(tmp
     os.chmod(tmp_path / "kvd", 0o755)
     assert stat.S_IMODE(runtime_dir().stat().st_mode) == 0o700
     os.chown(tmp_path / "kvd", NOBODY, NOBODY)
-    with pytest.raises(kvd.DeniedError, match="not a directory owned by uid 0"):
+    with pytest.raises(kvd.DeniedError,
+                       match=f"is a directory owned by uid {NOBODY}, not a directory of uid 0"):
         runtime_dir()
 
 
@@ -155,7 +156,8 @@ def test_a_journal_dir_planted_by_another_user_is_refused(tmp_path):
              "--layers", "1", "--kv-heads", "1", "--head-dim", "8"],
             env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert result.returncode == 2, result.stderr  # the CLI's code for a refused start
-        assert f"{planted} is not a directory owned by uid 0" in result.stderr, result.stderr
+        refusal = f"{planted} is a directory owned by uid {NOBODY}, not a directory of uid 0"
+        assert refusal in result.stderr, result.stderr
         assert list(planted.iterdir()) == []  # nothing written into it
         paths = DaemonPaths.for_name(name)
         assert not os.path.exists(f"/dev/shm{paths.segment_name}")

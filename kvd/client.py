@@ -74,6 +74,7 @@ from kvd.runtime import resolve_socket
 from kvd.segment import Segment
 
 _RECV_NBYTES = 256 * 1024
+RECHECK_S = 0.05  # how long a thread waiting for its reply sleeps before it looks again
 
 # After the daemon restarts (crash + `kvd start --recover`, or stop --keep + start), the client
 # reconnects. These ops hold nothing from the lost session, so they are simply sent again: a
@@ -344,7 +345,10 @@ class Client:
             raise BadArgsError(f"{op}: an argument cannot be sent ({exc}); pass ints, bytes, "
                                "str, lists and None") from None
         reply.session = self._session
-        self._pending[request_id] = reply  # before the send: another thread may read the reply
+        # Before the send: another thread may read the reply. Not under _mutex (one lock pair a
+        # request saved), so the walks of _pending under _mutex go over a copy: a slot added
+        # meanwhile broke a walk of the dict itself ("dictionary changed size during iteration").
+        self._pending[request_id] = reply
         try:
             sock.sendall(frame)
         except OSError as exc:
@@ -374,11 +378,15 @@ class Client:
             if is_reader:
                 self._read_until(reply)  # (returns with the reply done)
             elif wakeup is not None and not reply.is_done:
+                # A sleeper looks again at least every RECHECK_S: if a hand-over of the reading
+                # was lost (seen once in a dozen runs of tests/client/test_client_threads.py's
+                # restart test: two threads asleep, nobody reading), it takes the reading itself.
                 if self.timeout_s is None:
-                    wakeup.acquire()
+                    wakeup.acquire(timeout=RECHECK_S)
                     continue
                 deadline = deadline or time.monotonic() + self.timeout_s
-                if not wakeup.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                left_s = deadline - time.monotonic()
+                if not wakeup.acquire(timeout=max(0.0, min(left_s, RECHECK_S))) and left_s <= 0:
                     raise TimeoutError
                 continue
             if reply.error is not None:
@@ -428,7 +436,7 @@ class Client:
             raise
         except DisconnectedError as exc:
             with mutex:
-                for pending in self._pending.values():
+                for pending in list(self._pending.values()):
                     self._finish(pending, None, DisconnectedError(str(exc)))
                 self._pending.clear()
                 self._stop_reading(sock)
@@ -447,7 +455,7 @@ class Client:
         if sock is not None and sock is self._orphan_socket:
             sock.close()
             self._orphan_socket = None
-        for pending in self._pending.values():
+        for pending in list(self._pending.values()):
             if pending.wakeup is not None:
                 if pending.wakeup.locked():
                     pending.wakeup.release()
@@ -543,7 +551,7 @@ class Client:
         with self._mutex:
             if self._closed_because is None:
                 self._closed_because = reason
-            for pending in self._pending.values():
+            for pending in list(self._pending.values()):
                 self._finish(pending, None, self._closed_error())
             self._pending.clear()
             self._drop_socket()

@@ -26,7 +26,7 @@ ids leave the free list, and they are ABSENT again. A pinned or owned block is n
 
 Slab size. `choose_slab_nbytes` picks a multiple of the largest block: large enough that the tail
 `slab_nbytes % block_nbytes(P)` wastes little of every pool's slabs, small enough to leave many
-slabs to move (at least MIN_SLABS_PER_POOL per pool where the budget allows). Waste is then the
+slabs to move (a pool's partly used slab is waste too, and many slabs let memory move finely). Waste is then the
 slab tails plus the budget's own tail; bench/arena_waste.py measures it against padding every
 block to the largest geometry.
 
@@ -62,17 +62,16 @@ from kvd.core.pool import (CACHED, FREE, NEXT_VICTIM, NO_BLOCK, NUM_FREE, NUM_OW
 from kvd.errors import BadArgsError, InternalError
 
 UNOWNED = -1
-MIN_SLABS_PER_POOL = 64  # slabs are the unit that moves: a pool should have many to give
 MAX_SLAB_BLOCKS = 64  # slab_nbytes is at most this many of the largest block
-MAX_TAIL_WASTE = 0.01  # a slab tail above this fraction of the slab is worth a larger slab
 
 
 def choose_slab_nbytes(budget_nbytes: int, block_nbytes: Sequence[int]) -> int:
     """The slab size for a budget shared by pools of these block sizes (module docstring).
 
-    The smallest multiple k of the largest block whose worst slab tail is at most MAX_TAIL_WASTE
-    of the slab, among those leaving MIN_SLABS_PER_POOL slabs per pool; failing that, the one
-    (of those leaving at least one slab per pool) with the least waste.
+    The multiple k of the largest block that minimises the expected waste: the worst slab tail
+    (`slab % block` of a pool's slab), plus one partly used slab per pool (the one its free
+    list is drawing on, `num_pools / num_slabs` of the budget), plus the budget's own tail.
+    Small k leaves many slabs but may leave big tails; large k the reverse.
     """
     largest = max(block_nbytes)
     best: tuple[float, int] | None = None
@@ -81,10 +80,8 @@ def choose_slab_nbytes(budget_nbytes: int, block_nbytes: Sequence[int]) -> int:
         num_slabs = budget_nbytes // slab_nbytes
         if num_slabs < len(block_nbytes):
             break
-        tail = max((slab_nbytes % nbytes) / slab_nbytes for nbytes in block_nbytes)
-        waste = tail + (budget_nbytes % slab_nbytes) / budget_nbytes
-        if tail <= MAX_TAIL_WASTE and num_slabs >= MIN_SLABS_PER_POOL * len(block_nbytes):
-            return slab_nbytes
+        waste = (max((slab_nbytes % nbytes) / slab_nbytes for nbytes in block_nbytes)
+                 + len(block_nbytes) / num_slabs + (budget_nbytes % slab_nbytes) / budget_nbytes)
         if best is None or waste < best[0]:
             best = (waste, slab_nbytes)
     if best is None:

@@ -52,17 +52,20 @@ with free blocks) pays one stamp per allocated or hit slab.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
 from kvd.core.policies import EvictionPolicy, make_policy
 from kvd.core.pool import (CACHED, FREE, NEXT_VICTIM, NO_BLOCK, NUM_FREE, NUM_OWNED, NUM_SEALED,
-                           BlockPool, PoolObserver)
+                           OWNED, SEALED, BlockPool, PoolObserver)
 from kvd.errors import BadArgsError, InternalError
 
 UNOWNED = -1
 MAX_SLAB_BLOCKS = 64  # slab_nbytes is at most this many of the largest block
+GHOST_SHARE = 0.3  # each pool remembers the keys of its last evicted blocks worth this much budget
+GHOST_HALF_LIFE = 300  # lookups with a miss (all pools) after which a ghost hit counts half
 
 
 def choose_slab_nbytes(budget_nbytes: int, block_nbytes: Sequence[int]) -> int:
@@ -91,6 +94,41 @@ def choose_slab_nbytes(budget_nbytes: int, block_nbytes: Sequence[int]) -> int:
     return best[1]
 
 
+class GhostPolicy:
+    """A pool's policy, plus the keys of the blocks it let go (victims and discards), newest last,
+    at most `limit`: a lookup miss on one of them is a hit this pool would have had with more
+    memory. Every other event goes straight to the policy (the C pool binds those methods)."""
+
+    def __init__(self, policy: EvictionPolicy, limit: int) -> None:
+        self.policy, self.limit, self.name = policy, max(1, limit), policy.name
+        self.keys: OrderedDict[Hashable, None] = OrderedDict()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.policy, name)
+
+    def __len__(self) -> int:
+        return len(self.policy)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.policy
+
+    def victim(self) -> Hashable | None:
+        key = self.policy.victim()
+        if key is not None:
+            self._remember(key)
+        return key
+
+    def discard(self, key: Hashable) -> None:
+        self.policy.discard(key)
+        self._remember(key)
+
+    def _remember(self, key: Hashable) -> None:
+        keys = self.keys
+        keys[key] = None
+        if len(keys) > self.limit:
+            keys.popitem(last=False)
+
+
 class Arena:
     """Slabs of one budget and the pools that own them."""
 
@@ -116,7 +154,9 @@ class Arena:
         self.owner = np.full(self.num_slabs, UNOWNED, dtype=np.int32)
         self.stamps = np.zeros(self.num_slabs, dtype=np.int64)
         self.clock = 0
+        self.num_lookups = 0  # (ghost hits halve every GHOST_HALF_LIFE of them)
         self.num_moves = 0
+        self.budget_nbytes = budget_nbytes
         self.pools: list[ArenaPool | None] = [None] * len(block_nbytes)
 
     @property
@@ -146,6 +186,14 @@ class Arena:
     def num_unowned(self) -> int:
         return int(np.count_nonzero(self.owner == UNOWNED))
 
+    def num_takeable(self, pool: ArenaPool) -> int:
+        """Slabs `pool` could take now: unowned ones, and other pools' with nothing in use."""
+        num = self.num_unowned()
+        for other in self.pools:
+            if other is not None and other is not pool:
+                num += other.num_givable()
+        return num
+
     def slabs_of(self, pool_number: int) -> np.ndarray:
         return np.flatnonzero(self.owner == pool_number)
 
@@ -170,6 +218,20 @@ class Arena:
         for block_id in block_ids:
             stamps[block_id // bps] = clock
 
+    def count_lookup(self, pool: ArenaPool, keys: Sequence[Hashable], num_hits: int) -> None:
+        """Count the lookup's misses that `pool` evicted lately and that would have extended its
+        prefix hit (its ghost hits: what prefix reuse more memory would have bought)."""
+        ghosts = pool.policy.keys
+        for key in keys[num_hits:]:
+            if key not in ghosts:
+                break
+            pool.ghost_hits += 1
+        self.num_lookups += 1
+        if self.num_lookups % GHOST_HALF_LIFE == 0:
+            for each in self.pools:
+                if each is not None:
+                    each.ghost_hits /= 2
+
     def make_room(self, pool: ArenaPool, num_blocks: int) -> None:
         """Give `pool` slabs until its free list holds `num_blocks`, or until the rule of the
         module docstring says it should evict its own blocks instead."""
@@ -190,18 +252,28 @@ class Arena:
         `must_grow`), or None."""
         owner, stamps = self.owner, self.stamps
         is_other = (owner != UNOWNED) & (owner != pool.number)
+        if not must_grow:
+            is_other &= self._is_poorer(pool)[np.maximum(owner, 0)]
         if not is_other.any():
             return None
         candidates = np.flatnonzero(is_other)
         if not must_grow:
             own = stamps[owner == pool.number]
             coldest_own = own.min() if own.size else np.iinfo(np.int64).max
-            candidates = candidates[stamps[candidates] < coldest_own]
+            is_tie = np.array([each is not None and each.ghost_hits == pool.ghost_hits
+                               for each in self.pools])[owner[candidates]]
+            candidates = candidates[~is_tie | (stamps[candidates] < coldest_own)]
         for slab in candidates[np.argsort(stamps[candidates], kind="stable")].tolist():
             donor = self.pools[owner[slab]]
             if donor is not None and donor.can_give(slab):
                 return slab
         return None
+
+    def _is_poorer(self, pool: ArenaPool) -> np.ndarray:
+        """Per pool, whether its memory is worth no more than `pool`'s need: fewer ghost hits
+        (or as many: then the slab ages decide)."""
+        return np.array([each is not None and each.ghost_hits <= pool.ghost_hits
+                         for each in self.pools])
 
     def _take(self, slab: int) -> None:
         donor = self.pools[self.owner[slab]]
@@ -234,9 +306,12 @@ class ArenaPool(BlockPool):
                  generations: np.ndarray | None, observer: PoolObserver | None) -> None:
         num_ids = arena.num_ids(number)
         # The policy is sized to the whole id space: the pool may come to hold all of it.
-        super().__init__(num_ids, make_policy(policy, num_ids) if isinstance(policy, str)
-                         else policy, generations, observer)
+        inner = make_policy(policy, num_ids) if isinstance(policy, str) else policy
+        ghost_limit = int(GHOST_SHARE * arena.budget_nbytes) // arena.block_nbytes[number]
+        self.policy: GhostPolicy  # (BlockPool's, with the ghosts)
+        super().__init__(num_ids, GhostPolicy(inner, ghost_limit), generations, observer)
         self.arena, self.number = arena, number
+        self.ghost_hits = 0.0
         self.blocks_per_slab = arena.blocks_per_slab[number]
         self.block_nbytes = arena.block_nbytes[number]
         self.tables.counts[NUM_FREE] = 0  # every id ABSENT until the arena gives a slab
@@ -250,9 +325,9 @@ class ArenaPool(BlockPool):
 
     @property
     def num_available(self) -> int:
-        """Own free and evictable blocks plus the unowned slabs' worth (others' cached blocks are
-        not counted: whether they can be taken depends on where their pins are)."""
-        return self.num_own_available + self.arena.num_unowned() * self.blocks_per_slab
+        """Own free and evictable blocks plus the worth of every slab it could take (unowned, or
+        another pool's with nothing pinned or owned in it): O(id space), off the hot path."""
+        return self.num_own_available + self.arena.num_takeable(self) * self.blocks_per_slab
 
     # ---- the refill path -----------------------------------------------------------------
     def allocate(self, num_blocks: int, owner: int) -> list[int] | None:
@@ -274,8 +349,12 @@ class ArenaPool(BlockPool):
         return block_id
 
     def lookup(self, keys: Iterable[Hashable], owner: int) -> list[int]:
+        if type(keys) is not list:
+            keys = list(keys)
         block_ids = super().lookup(keys, owner)
         self.arena.stamp(self, block_ids)
+        if len(block_ids) < len(keys):
+            self.arena.count_lookup(self, keys, len(block_ids))
         return block_ids
 
     def pin(self, block_ids: Sequence[int], owner: int) -> None:
@@ -291,6 +370,13 @@ class ArenaPool(BlockPool):
         ids = self._slab_ids(slab)
         states = np.frombuffer(self.tables.state, dtype=np.uint8)[ids.start:ids.stop]
         return bool(((states == FREE) | (states == CACHED)).all())
+
+    def num_givable(self) -> int:
+        """Slabs this pool owns with every block FREE or CACHED."""
+        states = np.frombuffer(self.tables.state, dtype=np.uint8).reshape(
+            self.arena.num_slabs, self.blocks_per_slab)
+        in_use = ((states == OWNED) | (states == SEALED)).any(axis=1)
+        return int(np.count_nonzero(~in_use & (self.arena.owner == self.number)))
 
     def adopt(self, slab: int) -> None:
         """The slab's ids become present and free, the lowest on top of the free stack."""

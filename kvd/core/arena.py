@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -221,7 +222,7 @@ class Arena:
     def count_lookup(self, pool: ArenaPool, keys: Sequence[Hashable], num_hits: int) -> None:
         """Count the lookup's misses that `pool` evicted lately and that would have extended its
         prefix hit (its ghost hits: what prefix reuse more memory would have bought)."""
-        ghosts = pool.policy.keys
+        ghosts = pool.ghosts.keys
         for key in keys[num_hits:]:
             if key not in ghosts:
                 break
@@ -308,8 +309,10 @@ class ArenaPool(BlockPool):
         # The policy is sized to the whole id space: the pool may come to hold all of it.
         inner = make_policy(policy, num_ids) if isinstance(policy, str) else policy
         ghost_limit = int(GHOST_SHARE * arena.budget_nbytes) // arena.block_nbytes[number]
-        self.policy: GhostPolicy  # (BlockPool's, with the ghosts)
-        super().__init__(num_ids, GhostPolicy(inner, ghost_limit), generations, observer)
+        # BlockPool's policy is the GhostPolicy: the same interface (duck-typed, so that every
+        # event but victim and discard reaches the inner policy's own bound method).
+        self.ghosts = GhostPolicy(inner, ghost_limit)
+        super().__init__(num_ids, cast(EvictionPolicy, self.ghosts), generations, observer)
         self.arena, self.number = arena, number
         self.ghost_hits = 0.0
         self.blocks_per_slab = arena.blocks_per_slab[number]

@@ -91,7 +91,14 @@ class Geometry:
         return self.block_nbytes * self.num_blocks
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields, less `parts` and `window` at their defaults (so a K/V full-attention
+        geometry reads as it did before they existed: journal stamps, hello replies)."""
+        data = asdict(self)
+        if data["parts"] == 2:
+            del data["parts"]
+        if data["window"] is None:
+            del data["window"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Geometry:

@@ -288,7 +288,8 @@ class Service:
     @staticmethod
     def _pool_stats(served: Served) -> dict[str, Any]:
         """One pool's block counts and counters, policy, geometry and open sequences."""
-        return {**served.pool.stats(), "policy": served.pool.policy.name,
+        return {**served.pool.stats(), **served.page_table.counters,
+                "policy": served.pool.policy.name,
                 "geometry": served.geometry.to_dict(),
                 "sequences": len(served.page_table.sequences)}
 

@@ -182,3 +182,17 @@ def test_views_of_a_released_slab_see_the_generation_change(pools_daemon):
         assert client.lookup([key("x")]) == []
         assert client.generation(ids[0]) != generation
         assert np.asarray(client.stats()["pools"]["target"]["num_blocks"]) >= 0
+
+
+def test_metrics_carry_the_pool_label(daemon_factory):
+    import urllib.request
+    handle = daemon_factory(["--pool", TARGET, "--pool", LATENT, "--metrics-port", "0"],
+                            memory=MEMORY)
+    with handle.connect() as client:
+        client.alloc(2, pool="latent")
+        port = client.stats()["metrics_port"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+    assert 'kvd_blocks{pool="latent",state="owned"} 2.0' in text
+    assert 'kvd_blocks{pool="target",state="owned"} 0.0' in text
+    assert 'kvd_allocations_total{pool="latent"} 2.0' in text

@@ -223,20 +223,7 @@ class Segment:
         """
         check_name(name)
         _, _, total_nbytes = layout(geometry)
-        _check_free_space(total_nbytes)
-        boot_id = current_boot_id()
-        try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
-        except posix_ipc.ExistentialError:
-            raise InUseError(f"segment {name} already exists (a running daemon, or one that "
-                             "crashed): recover it, or unlink it if no daemon uses it") from None
-        try:
-            mapping = _reserve_and_map(shm, total_nbytes)
-        except BaseException:
-            shm.unlink()
-            raise
-        finally:
-            shm.close_fd()  # the mapping keeps the memory; nothing needs the fd after mmap
+        mapping, boot_id = _create_mapping(name, total_nbytes)
         segment = cls(name, mapping, geometry, uuid.uuid4().bytes, boot_id)
         segment._write_header(mapping)
         return segment
@@ -250,20 +237,7 @@ class Segment:
         if len(shapes) > MAX_SEGMENT_POOLS:
             raise BadArgsError(f"a segment holds at most {MAX_SEGMENT_POOLS} pools")
         pools, total_nbytes = pools_layout(shapes, slab_nbytes, num_slabs)
-        _check_free_space(total_nbytes)
-        boot_id = current_boot_id()
-        try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
-        except posix_ipc.ExistentialError:
-            raise InUseError(f"segment {name} already exists (a running daemon, or one that "
-                             "crashed): recover it, or unlink it if no daemon uses it") from None
-        try:
-            mapping = _reserve_and_map(shm, total_nbytes)
-        except BaseException:
-            shm.unlink()
-            raise
-        finally:
-            shm.close_fd()
+        mapping, boot_id = _create_mapping(name, total_nbytes)
         segment = cls(name, mapping, pools[0].geometry, uuid.uuid4().bytes, boot_id, pools,
                       total_nbytes)
         segment._write_pools_header(mapping, slab_nbytes, num_slabs)
@@ -477,6 +451,25 @@ class Segment:
     def __repr__(self) -> str:
         state = "closed" if self.is_closed else format_nbytes(self._nbytes)
         return f"Segment({self._name!r}, {self._geometry}, {state})"
+
+
+def _create_mapping(name: str, total_nbytes: int) -> tuple[mmap.mmap, bytes]:
+    """A new shm object of `total_nbytes` (0600), reserved and mapped, and this boot's id."""
+    _check_free_space(total_nbytes)
+    boot_id = current_boot_id()
+    try:
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
+    except posix_ipc.ExistentialError:
+        raise InUseError(f"segment {name} already exists (a running daemon, or one that "
+                         "crashed): recover it, or unlink it if no daemon uses it") from None
+    try:
+        mapping = _reserve_and_map(shm, total_nbytes)
+    except BaseException:
+        shm.unlink()
+        raise
+    finally:
+        shm.close_fd()  # the mapping keeps the memory; nothing needs the fd after mmap
+    return mapping, boot_id
 
 
 def _reserve_and_map(shm: posix_ipc.SharedMemory, total_nbytes: int) -> mmap.mmap:

@@ -283,6 +283,7 @@ def sharing(out: Path | None) -> None:
             f"{SHARING_BLOCK_NBYTES[1]} B blocks; policy {DEFAULT_POLICY}):\n\n" + table)
     print(text)
     if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
         (out / "hit_ratio_sharing.md").write_text(text)
         write_json(out, "hit_ratio_sharing", rows)
 

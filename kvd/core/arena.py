@@ -26,9 +26,8 @@ ids leave the free list, and they are ABSENT again. A pinned or owned block is n
 
 Slab size. `choose_slab_nbytes` picks a multiple of the largest block: large enough that the tail
 `slab_nbytes % block_nbytes(P)` wastes little of every pool's slabs, small enough to leave many
-slabs to move (a pool's partly used slab is waste too, and many slabs let memory move finely). Waste is then the
-slab tails plus the budget's own tail; bench/arena_waste.py measures it against padding every
-block to the largest geometry.
+slabs to move (a pool's partly used slab is waste too, and many slabs let memory move finely).
+bench/arena_waste.py measures the waste against padding every block to the largest geometry.
 
 Where memory goes. The C pool (kvd/core/_pool.c) allocates only from its free list and declines
 otherwise, so the slab moves live here, on the refill path (once per slab, not per block). When
@@ -36,18 +35,28 @@ pool P's free list is short, `make_room` takes, in order:
   1. an unowned slab (at start every slab is unowned: pools grow on demand);
   2. when P cannot cover the request itself (free + evictable too small), the coldest slab of
      another pool that can be taken;
-  3. otherwise the coldest slab of another pool that can be taken, but only if it is colder than
-     P's own coldest slab; else P evicts its own policy victim (BlockPool's ordinary path).
-"Cold" is a slab's stamp: the arena's clock (one tick per lookup and allocation, any pool) when a
-block of the slab was last allocated or hit. Comparing the coldest slabs is memcached's slab
-automover rule (move a page from the class whose oldest item is oldest), i.e. a global LRU at slab
-granularity across pools: an idle pool's memory ages and a busy pool takes it (item 2 of issue
-31: after a pool fills the budget and goes idle, another pool ends with nearly all of it). Inside
-a pool the pool's own policy still chooses every victim.
+  3. otherwise another pool's coldest takeable slab, but only from a pool whose memory is worth
+     no more than P's; else P evicts its own policy victim (BlockPool's ordinary path).
+"Worth" is Cliffhanger's shadow-queue estimate of the hit rate one more slab would buy (Cidon et
+al., NSDI 2016): each pool's policy is wrapped in a GhostPolicy that remembers the keys of the
+blocks it evicted lately, GHOST_SHARE of the budget's bytes' worth (the same bytes for every
+pool, so counts compare per byte), and a lookup miss that would have extended the prefix hit
+through remembered keys counts one ghost hit per key; ghost hits halve every GHOST_HALF_LIFE
+lookups with a miss. A pool takes from a pool with fewer ghost hits: memory flows to where more
+of it buys more prefix hits, and settles where the marginal gains are equal. With equal ghost
+hits (say neither pool re-reads anything) the slab ages decide: a slab's stamp is the arena's
+clock (one tick per lookup and allocation, any pool) when a block of it was last allocated or
+hit, and a slab colder than P's coldest goes (memcached's slab automover: a global LRU at slab
+granularity), so an idle pool's memory ages and a busy one takes it (item 2 of issue 31). Which
+slab leaves a donor is always its coldest takeable one. Inside a pool its own policy still
+chooses every victim. bench/hit_ratio.py --sharing measures the rule against static splits;
+GHOST_SHARE and GHOST_HALF_LIFE are the values that did best there (docs/pools.md).
 
-Costs: a refill compares the stamps of the slabs (one NumPy pass over `num_slabs`); a move
-evicts at most one slab of blocks and filters the donor's free list once. The hot path (a pool
-with free blocks) pays one stamp per allocated or hit slab.
+Costs: a refill compares the stamps of the slabs (NumPy passes over `num_slabs`); a move
+evicts at most one slab of blocks and filters the donor's free list once; `num_available`
+scans every pool's states (O(id space), off the hot path). The hot path (a pool with free
+blocks) pays one stamp per allocated or hit block, and a lookup with a miss one ghost probe per
+missing key up to the first one not remembered.
 """
 
 from __future__ import annotations
@@ -65,8 +74,8 @@ from kvd.errors import BadArgsError, InternalError
 
 UNOWNED = -1
 MAX_SLAB_BLOCKS = 64  # slab_nbytes is at most this many of the largest block
-GHOST_SHARE = 0.3  # each pool remembers the keys of its last evicted blocks worth this much budget
-GHOST_HALF_LIFE = 300  # lookups with a miss (all pools) after which a ghost hit counts half
+GHOST_SHARE = 0.7  # a pool's ghost list holds evicted keys worth this share of the budget
+GHOST_HALF_LIFE = 150  # lookups with a miss (all pools) after which a ghost hit counts half
 
 
 def choose_slab_nbytes(budget_nbytes: int, block_nbytes: Sequence[int]) -> int:

@@ -6,8 +6,8 @@ Pools (a target model, its draft, a latent pool):
   * draft:  4 layers, 4 KV heads, head dim 64, float32, 16-token blocks (128 KiB);
   * latent: 27 layers, parts=1, one 576-wide latent, bfloat16, 16-token blocks (486 KiB).
 Workload: requests pick a pool (the target and its draft together, as speculative decoding does,
-and the latent pool on its own), look up a chain from a Zipf-popular set of 3,000 prompts (1 to 24 blocks), write the
-missing blocks and release; a few requests keep their blocks while others run. Each side runs the
+and the latent pool on its own), look up a chain from a Zipf-popular set of 3,000 prompts (1 to
+24 blocks), write the missing blocks and release; a few requests keep their blocks while others run. Each side runs the
 same request stream; once the budget is full, the ratio is sampled every 50 requests.
 
     live bytes   = blocks owned, sealed or cached, each at its own pool's block bytes
@@ -84,8 +84,8 @@ def run_bench(quick: bool, out: Path) -> str:
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
-    rows = [(f"{row['budget_gib']} GiB", f"{row['arena']['mean']:.4f}", f"{row['arena']['min']:.4f}",
-             f"{row['padded']['mean']:.4f}", f"{row['padded']['min']:.4f}",
+    rows = [(f"{row['budget_gib']} GiB", f"{row['arena']['mean']:.4f}",
+             f"{row['arena']['min']:.4f}", f"{row['padded']['mean']:.4f}", f"{row['padded']['min']:.4f}",
              f"{row['arena']['slab_nbytes'] >> 20} MiB x {row['arena']['num_slabs']}",
              row["arena"]["slab_moves"]) for row in results]
     return ("## Arena waste (issue 31 item 3): live bytes / in-use bytes, goal >= 0.95\n\n"

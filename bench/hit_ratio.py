@@ -268,7 +268,8 @@ def sharing(out: Path | None) -> None:
         rows.append({"budget_blocks": num_blocks, "budget_nbytes": budget, "arena": shared,
                      "static": static, "best_share_a": best,
                      "arena_of_best": shared / static[best],
-                     "arena_of_half": shared / static[50], "best_of_half": static[best] / static[50]})
+                     "arena_of_half": shared / static[50],
+                     "best_of_half": static[best] / static[50]})
         print(f"budget {num_blocks}: arena {shared:.4f}, best static {static[best]:.4f} "
               f"({best}% to A), 50/50 {static[50]:.4f}", file=sys.stderr)
     table = markdown_table(

@@ -7,8 +7,9 @@ Pools (a target model, its draft, a latent pool):
   * latent: 27 layers, parts=1, one 576-wide latent, bfloat16, 16-token blocks (486 KiB).
 Workload: requests pick a pool (the target and its draft together, as speculative decoding does,
 and the latent pool on its own), look up a chain from a Zipf-popular set of 3,000 prompts (1 to
-24 blocks), write the missing blocks and release; a few requests keep their blocks while others run. Each side runs the
-same request stream; once the budget is full, the ratio is sampled every 50 requests.
+24 blocks), write the missing blocks and release; a few requests keep their blocks while others
+run. Each side runs the same request stream; once the budget is full, the ratio is sampled every
+50 requests.
 
     live bytes   = blocks owned, sealed or cached, each at its own pool's block bytes
     in-use bytes = the arena: slabs owned by a pool (slab tails and free blocks in them count

@@ -58,7 +58,7 @@ from kvd.runtime import state_dir as state_dir_of
 from kvd.segment import Segment
 from kvd.server.journal import Journal, failpoint, remove_journal
 from kvd.server.metrics import OpStats, serve_metrics
-from kvd.server.recovery import attach_recoverable, bump_free_generations, stamp
+from kvd.server.recovery import attach_recoverable, restore, set_aside, stamp
 from kvd.server.service import Service
 
 log = logging.getLogger("kvd")
@@ -252,21 +252,19 @@ def _recover(config: DaemonConfig, journal: Journal | None, stop: Stop,
         raise
     if recovered is None:
         return None
-    segment, rows = recovered
+    segment, loaded = recovered
     # From here a failed start leaves the crashed daemon's segment and journal as it found them,
     # for the next --recover: a bad flag must not cost the cache.
     stop.keep = True
     pool = _new_pool(config, segment, journal)
+    journal.on_commit = segment.set_acknowledged_seals
     failpoint("during-recovery")
     try:
-        num_restored = pool.restore(rows)
-    except BadArgsError as exc:  # a journal the pool cannot take: never map it
-        log.warning("recovery: %s; starting clean", exc)
+        num_restored = restore(pool, segment, journal, loaded)
+    except BadArgsError as exc:  # a journal the pool cannot take: never map it, nor delete it
+        log.warning("recovery: %s; it is kept as %s; starting clean", exc, set_aside(journal))
         stop.keep = False  # (the old mapping goes with the pool)
         return None
-    bump_free_generations(pool, segment.generations)
-    log.info("recovered segment %s: %d of %d journaled blocks restored from %s",
-             segment.name, num_restored, len(rows.block_ids), journal.path)
     undo.callback(_release_segment, segment, stop)
     return segment, pool, num_restored
 
@@ -289,6 +287,7 @@ def _create_segment(config: DaemonConfig, journal: Journal | None) -> Segment:
     segment = Segment.create(paths.segment_name, config.geometry)
     if journal is not None:
         journal.reset(stamp(segment))
+        journal.on_commit = segment.set_acknowledged_seals
     elif Path(config.journal_dir) == state_dir_of(paths.name):
         # A journal there describes a segment that is gone (say, kept by stop --keep and
         # then started clean with --no-journal): nothing would ever remove it. (Only under

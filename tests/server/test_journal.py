@@ -4,6 +4,7 @@ stamp, injected write failures, failpoints and file hygiene. No daemon."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -40,7 +41,7 @@ def on_disk(state_dir: Path) -> IndexRows:
                 shutil.copy(state_dir / f"{JOURNAL_FILENAME}{suffix}", copy)
         other = Journal(copy)
         try:
-            return other.load()
+            return other.load().rows
         finally:
             other.close()
     finally:
@@ -53,9 +54,13 @@ def reopened(journal: Journal) -> tuple[list[int], list[bytes]]:
     return rows.block_ids.tolist(), rows.keys
 
 
+_generations = itertools.count(1)
+
+
 def seal(journal: Journal, block_id: int, key: bytes) -> None:
-    """Journal a chain head of generation 0 in the prefill tier."""
-    journal.sealed([(block_id, key, 0, NO_PARENT, 0, 0)])
+    """Journal a chain head in the prefill tier, at a generation above every earlier one (a
+    block's rises each time it is freed; the journal drops a record that does not rise)."""
+    journal.sealed([(block_id, key, next(_generations), NO_PARENT, 0, 0)])
 
 
 def heads(block_ids: list[int], keys: list[bytes]) -> list[tuple]:
@@ -213,7 +218,7 @@ def test_reopening_makes_files_left_readable_private(tmp_path):
     with contextlib.closing(Journal(state_dir)) as journal:
         assert stat.S_IMODE(wal.stat().st_mode) == 0o600
         assert stat.S_IMODE((state_dir / JOURNAL_FILENAME).stat().st_mode) == 0o600
-        assert journal.load().block_ids.tolist() == [1]
+        assert journal.load().rows.block_ids.tolist() == [1]
 
 
 def test_remove_keeps_a_directory_holding_foreign_files(tmp_path):

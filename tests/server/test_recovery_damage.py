@@ -1,0 +1,253 @@
+"""A damaged journal never serves wrong bytes: flipped bits in journal.sqlite3 and its -wal.
+
+The contract (kvd/server/recovery.py): whatever a flip does, `--recover` restores only blocks it
+can prove -- a checksummed chunk, a generation the segment still shows -- drops the rest (a miss),
+says in its log line what it dropped or lost, and sets aside what it could not read instead of
+deleting it. Every block a test seals holds bytes derived from its hash (test_recovery's
+`pattern`), so every hit after a recovery can be checked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import daemon_name
+from kvd.errors import KvdError
+from kvd.geometry import Geometry
+from kvd.runtime import SHM_DIR, DaemonPaths
+from kvd.server.daemon import DaemonConfig, Server, launch
+from kvd.server.journal import JOURNAL_FILENAME
+from test_recovery import pattern, restartable  # noqa: F401  (a fixture)
+
+# The issue's geometry: 16 blocks of (1 layer, K/V, 4 tokens, 1 head, 8 dims) float32.
+SMALL = {"num_blocks": 16, "layers": 1, "kv_heads": 1, "head_dim": 8, "block_size": 4,
+         "dtype": "float32"}
+KEY_OFFSET_IN_RECORD = 35  # the key follows a record's 35 header bytes ...
+BLOCK_ID_OFFSET_IN_RECORD = 24  # ... and its block id sits 11 bytes before it
+
+
+def test_a_flipped_block_id_never_serves_another_blocks_bytes(restartable):
+    """Regression (issue 34 item 1): seal 7.0 under b'H'*16, `kvd stop --keep`, flip one bit of
+    the block id in its journal record, `kvd start --recover`: "1 of 1 journaled blocks restored"
+    and the lookup returned block 1, holding 0.0. Now the record fails its checksum: dropped,
+    counted and logged; the lookup misses."""
+    daemon = restartable(**SMALL)
+    daemon.start()
+    key = b"H" * 16
+    with daemon.connect() as client:
+        (block_id,) = client.alloc(1)
+        client.view(block_id)[...] = 7.0
+        assert client.seal([block_id], [key]) == [True]
+        client.release([block_id])
+    daemon.stop_cli("--keep")
+    data = bytearray(daemon.journal_path.read_bytes())
+    at = data.index(key) - (KEY_OFFSET_IN_RECORD - BLOCK_ID_OFFSET_IN_RECORD)
+    data[at] ^= 1  # block 0 <-> block 1
+    daemon.journal_path.write_bytes(data)
+    offset = daemon.recover()
+    text = daemon.log(offset)
+    assert "Traceback" not in text
+    assert "1 of 1 journaled blocks restored" not in text
+    assert "damaged" in text, text
+    with daemon.connect() as client:
+        found = client.lookup([key])
+        try:
+            for hit in found:  # a hit must hold the sealed bytes
+                assert np.all(client.view(hit) == 7.0), f"block {hit} served under {key!r}"
+        finally:
+            client.release(found)
+    daemon.stop_cli()
+
+
+# ---- random flips, recovered in-process ------------------------------------------------------
+
+FUZZ_GEOMETRY = Geometry(num_blocks=64, block_size=4, num_layers=1, num_kv_heads=1, head_dim=8,
+                         dtype="float32")
+
+
+def block_pattern(key: bytes) -> np.ndarray:
+    return pattern(key, FUZZ_GEOMETRY.block_nbytes)
+
+
+class Images:
+    """One daemon's state, saved twice: while it runs (journal.sqlite3 with commits still in its
+    -wal, as a crash leaves them) and after `stop --keep` (all checkpointed into the database).
+    Each image is the journal's files and the segment's bytes; `sealed` maps every hash ever
+    sealed to its pattern's key, `num_indexed` is how many were indexed at the end."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.paths = DaemonPaths.for_name(daemon_name("d"), str(tmp_path / "kvd.sock"))
+        self.state = tmp_path / "state"
+        self.segment_path = SHM_DIR + self.paths.segment_name
+        self.sealed: list[bytes] = []
+        daemon = launch(DaemonConfig(self.paths, FUZZ_GEOMETRY, state_dir=str(self.state)))
+        try:
+            self._churn(daemon)
+            self.num_indexed = len(daemon.service.pool.tables.index)
+            assert daemon.journal is not None
+            self.running = self._save()
+            assert "-wal" in self.running and len(self.running["-wal"]) > 0
+        finally:
+            daemon.stop(keep=True)
+            daemon.serve_forever()
+        self.stopped = self._save()
+        assert "-wal" not in self.stopped
+
+    def _churn(self, daemon: Server) -> None:
+        """Chains of four sealed in batches, one commit each, a checkpoint half-way, and a full
+        pool's evictions: chunks in the database and in the WAL, parents, tombstones."""
+        pool, journal = daemon.service.pool, daemon.journal
+        assert journal is not None
+        owner = daemon.service.open_session(os.getpid(), os.getuid()).session_id
+        blocks = daemon.started.segment.pool.reshape(FUZZ_GEOMETRY.num_blocks, -1).view(np.uint8)
+        for batch in range(12):
+            block_ids = pool.allocate(8, owner)
+            keys = [os.urandom(16) for _ in block_ids]
+            for block_id, key in zip(block_ids, keys):
+                blocks[block_id] = block_pattern(key)
+            parents = [None if i % 4 == 0 else keys[i - 1] for i in range(len(keys))]
+            pool.seal(block_ids, keys, owner, parents=parents)
+            pool.release(block_ids, owner)
+            journal.commit()
+            self.sealed += keys
+            if batch == 5:
+                journal._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+
+    def _save(self) -> dict[str, bytes]:
+        image = {suffix: (self.state / f"{JOURNAL_FILENAME}{suffix}").read_bytes()
+                 for suffix in ("", "-wal")
+                 if (self.state / f"{JOURNAL_FILENAME}{suffix}").exists()}
+        with open(self.segment_path, "rb") as file:
+            image["segment"] = file.read()
+        return image
+
+    def put_back(self, image: dict[str, bytes]) -> None:
+        """Make the state that of `image` again: its segment bytes, its journal files only."""
+        shutil.rmtree(self.state, ignore_errors=True)
+        self.state.mkdir(mode=0o700)
+        for suffix, data in image.items():
+            if suffix != "segment":
+                (self.state / f"{JOURNAL_FILENAME}{suffix}").write_bytes(data)
+        with open(self.segment_path, "r+b") as file:
+            file.write(image["segment"])
+
+    def cleanup(self) -> None:
+        for path in (self.segment_path, self.paths.socket_path, self.paths.pid_path,
+                     self.paths.lock_path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        shutil.rmtree(self.state, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Images]:
+    made = Images(tmp_path_factory.mktemp("flips"))
+    yield made
+    made.cleanup()
+
+
+def flipped(image: dict[str, bytes], rng: random.Random) -> tuple[dict[str, bytes], list[str]]:
+    """`image` with 1 to 3 random bits flipped anywhere in its journal files (the database and
+    the -wal alike: each bit is as likely), and where."""
+    files = [suffix for suffix in image if suffix != "segment"]
+    data = {suffix: bytearray(image[suffix]) for suffix in files}
+    total = sum(len(data[suffix]) for suffix in files)
+    where = []
+    for _ in range(rng.randint(1, 3)):
+        bit = rng.randrange(8 * total)
+        for suffix in files:
+            if bit < 8 * len(data[suffix]):
+                data[suffix][bit // 8] ^= 1 << bit % 8
+                where.append(f"{JOURNAL_FILENAME}{suffix} byte {bit // 8} bit {bit % 8}")
+                break
+            bit -= 8 * len(data[suffix])
+    return {**image, **{suffix: bytes(value) for suffix, value in data.items()}}, where
+
+
+class Outcomes:
+    """How the recoveries of a fuzz run ended (the test's report, and what it asserts on)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def __str__(self) -> str:
+        return ", ".join(f"{count} {name}" for name, count in sorted(self.counts.items()))
+
+
+def recover_flipped(images: Images, image: dict[str, bytes], rng: random.Random,
+                    outcomes: Outcomes) -> None:
+    """Flip bits in `image`, recover it in-process, and check every hit's bytes."""
+    damaged, where = flipped(image, rng)
+    images.put_back(damaged)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("kvd")
+    logger.addHandler(handler)
+    try:
+        daemon = launch(DaemonConfig(images.paths, FUZZ_GEOMETRY, state_dir=str(images.state),
+                                     recover=True))
+    except KvdError as exc:  # a typed refusal: it must say so, and keep the journal
+        outcomes.counts["refused"] += 1
+        assert "journal" in str(exc), (where, exc)
+        assert (images.state / JOURNAL_FILENAME).exists(), where
+        return
+    finally:
+        logger.removeHandler(handler)
+    try:
+        pool = daemon.service.pool
+        blocks = daemon.started.segment.pool.reshape(FUZZ_GEOMETRY.num_blocks, -1).view(np.uint8)
+        for key in images.sealed:
+            block_id = pool.find(key)
+            assert block_id is None or np.array_equal(blocks[block_id], block_pattern(key)), \
+                f"wrong bytes served under {key.hex()} from block {block_id} after {where}"
+        pool.check_invariants()
+        assert not any(record.exc_info for record in records), where
+        warnings = [record.getMessage() for record in records if record.levelno >= logging.WARNING]
+        num_restored = daemon.started.num_restored
+        if num_restored < images.num_indexed:  # fewer than were acknowledged: it must say so
+            assert any("damaged" in text or "starting clean" in text for text in warnings), \
+                (where, num_restored, warnings)
+        for aside in images.state.glob(f"{JOURNAL_FILENAME}.damaged-*"):  # named where it went
+            assert any(str(aside).removesuffix("-wal") in text for text in warnings), where
+        outcomes.counts["started clean" if any("starting clean" in text for text in warnings)
+                        else "damage reported" if warnings
+                        else "all restored" if num_restored == images.num_indexed
+                        else "partial, silent"] += 1
+    finally:
+        daemon.stop(keep=True)
+        daemon.serve_forever()
+
+
+def run_flips(images: Images, num_cases: int, seed: int) -> Outcomes:
+    rng, outcomes = random.Random(seed), Outcomes()
+    for case in range(num_cases):
+        recover_flipped(images, images.running if case % 2 else images.stopped, rng, outcomes)
+    return outcomes
+
+
+def test_random_bit_flips_never_serve_wrong_bytes(images):
+    """100 recoveries of journals with 1-3 random bits flipped, half with commits still in the
+    WAL: 0 wrong bytes, 0 tracebacks, and every recovery that restored fewer blocks than were
+    acknowledged says so (or is a typed refusal)."""
+    outcomes = run_flips(images, 100, seed=34)
+    print(f"100 flipped journals: {outcomes}")
+    assert not outcomes.counts["partial, silent"]
+
+
+@pytest.mark.slow
+def test_random_bit_flips_never_serve_wrong_bytes_soak(images):
+    outcomes = run_flips(images, 1000, seed=random.randrange(1 << 30))
+    print(f"1000 flipped journals: {outcomes}")
+    assert not outcomes.counts["partial, silent"]

@@ -678,23 +678,10 @@ class Journal:
         return rows
 
     def set_aside(self) -> Path:
-        """Keep the journal's files as they are under another name, `journal.sqlite3.damaged-N`
-        (its -wal beside it, so that SQLite opens the two together), and open an empty journal
-        in their place; returns the name. Copied, not renamed: closing SQLite's connection
+        """Keep the journal's files as they are (set_aside_files) and open an empty journal in
+        their place; returns where they went. Copied before the connection closes: closing
         checkpoints the WAL into the database file, which would lose what it could not read."""
-        for number in count(1):
-            aside = self.path.with_name(f"{JOURNAL_FILENAME}.damaged-{number}")
-            if not any(os.path.lexists(f"{aside}{suffix}") for suffix in ("", "-wal")):
-                break
-        try:
-            for suffix in ("", "-wal"):
-                if os.path.exists(f"{self.path}{suffix}"):
-                    shutil.copyfile(f"{self.path}{suffix}", f"{aside}{suffix}")
-                    os.chmod(f"{aside}{suffix}", 0o600)
-            self.close()
-            remove_journal(self.state_dir, keep_dir=True)
-        except OSError as exc:
-            raise JournalError(f"cannot set the damaged journal {self.path} aside: {exc}") from None
+        aside = set_aside_files(self.state_dir, close=self.close)
         self._open()
         self._log = None
         return aside
@@ -717,6 +704,29 @@ def _make_private(path: Path) -> None:
             os.chmod(f"{path}{suffix}", 0o600)
         except FileNotFoundError:
             pass
+
+
+def set_aside_files(state_dir: str | os.PathLike[str],
+                    close: Callable[[], None] | None = None) -> Path:
+    """Copy the journal files in `state_dir` to `journal.sqlite3.damaged-N` (its -wal beside it,
+    so that SQLite opens the two together), call `close` (the open connection's), and delete
+    them; returns the copy's name. Raises JournalError if they cannot be copied."""
+    path = Path(state_dir) / JOURNAL_FILENAME
+    for number in count(1):
+        aside = path.with_name(f"{JOURNAL_FILENAME}.damaged-{number}")
+        if not any(os.path.lexists(f"{aside}{suffix}") for suffix in ("", "-wal")):
+            break
+    try:
+        for suffix in ("", "-wal"):
+            if os.path.exists(f"{path}{suffix}"):
+                shutil.copyfile(f"{path}{suffix}", f"{aside}{suffix}")
+                os.chmod(f"{aside}{suffix}", 0o600)
+    except OSError as exc:
+        raise JournalError(f"cannot set the damaged journal {path} aside: {exc}") from None
+    if close is not None:
+        close()
+    remove_journal(state_dir, keep_dir=True)
+    return aside
 
 
 def remove_journal(state_dir: str | os.PathLike[str], keep_dir: bool = False) -> None:

@@ -56,7 +56,7 @@ from kvd.geometry import Geometry
 from kvd.runtime import SHM_DIR, DaemonPaths, check_ours
 from kvd.runtime import state_dir as state_dir_of
 from kvd.segment import Segment
-from kvd.server.journal import Journal, failpoint, remove_journal
+from kvd.server.journal import Journal, failpoint, remove_journal, set_aside_files
 from kvd.server.metrics import OpStats, serve_metrics
 from kvd.server.recovery import attach_recoverable, restore, set_aside, stamp
 from kvd.server.service import Service
@@ -202,7 +202,7 @@ def start(config: DaemonConfig) -> Started:
         undo.callback(_unlink_quietly, paths.pid_path)
         journal = None
         if config.journal:
-            journal = Journal(config.journal_dir)
+            journal = _open_journal(config)
             undo.callback(_release_journal, journal, stop)
         segment, pool, num_restored = _open_pool(config, journal, stop, undo)
         info = {"segment": segment.name, "segment_uuid": segment.uuid,
@@ -267,6 +267,20 @@ def _recover(config: DaemonConfig, journal: Journal | None, stop: Stop,
         return None
     undo.callback(_release_segment, segment, stop)
     return segment, pool, num_restored
+
+
+def _open_journal(config: DaemonConfig) -> Journal:
+    """The journal. One SQLite cannot open (a damaged file) is a refusal for --recover, which
+    keeps it; a plain start forgets its blocks anyway, so it sets the files aside and goes on."""
+    try:
+        return Journal(config.journal_dir)
+    except JournalError as exc:
+        if config.recover:
+            raise JournalError(f"{exc}: move {config.journal_dir} aside, or start without "
+                               "--recover (which keeps a copy)") from None
+        aside = set_aside_files(config.journal_dir)
+        log.warning("%s; it is kept as %s; starting with a new journal", exc, aside)
+        return Journal(config.journal_dir)
 
 
 def _new_pool(config: DaemonConfig, segment: Segment, journal: Journal | None) -> BlockPool:

@@ -9,6 +9,7 @@ deleting it. Every block a test seals holds bytes derived from its hash (test_re
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import daemon_name
-from kvd.errors import KvdError
+from kvd.errors import JournalError, KvdError
 from kvd.geometry import Geometry
 from kvd.runtime import SHM_DIR, DaemonPaths
 from kvd.server.daemon import DaemonConfig, Server, launch
@@ -175,6 +176,20 @@ def flipped(image: dict[str, bytes], rng: random.Random) -> tuple[dict[str, byte
     return {**image, **{suffix: bytes(value) for suffix, value in data.items()}}, where
 
 
+@contextlib.contextmanager
+def kvd_log() -> Iterator[list[logging.LogRecord]]:
+    """The records the "kvd" logger emits meanwhile."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("kvd")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
 class Outcomes:
     """How the recoveries of a fuzz run ended (the test's report, and what it asserts on)."""
 
@@ -190,21 +205,15 @@ def recover_flipped(images: Images, image: dict[str, bytes], rng: random.Random,
     """Flip bits in `image`, recover it in-process, and check every hit's bytes."""
     damaged, where = flipped(image, rng)
     images.put_back(damaged)
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("kvd")
-    logger.addHandler(handler)
-    try:
-        daemon = launch(DaemonConfig(images.paths, FUZZ_GEOMETRY, state_dir=str(images.state),
-                                     recover=True))
-    except KvdError as exc:  # a typed refusal: it must say so, and keep the journal
-        outcomes.counts["refused"] += 1
-        assert "journal" in str(exc), (where, exc)
-        assert (images.state / JOURNAL_FILENAME).exists(), where
-        return
-    finally:
-        logger.removeHandler(handler)
+    with kvd_log() as records:
+        try:
+            daemon = launch(DaemonConfig(images.paths, FUZZ_GEOMETRY,
+                                         state_dir=str(images.state), recover=True))
+        except KvdError as exc:  # a typed refusal: it must say so, and keep the journal
+            outcomes.counts["refused"] += 1
+            assert "journal" in str(exc), (where, exc)
+            assert (images.state / JOURNAL_FILENAME).exists(), where
+            return
     try:
         pool = daemon.service.pool
         blocks = daemon.started.segment.pool.reshape(FUZZ_GEOMETRY.num_blocks, -1).view(np.uint8)
@@ -251,3 +260,89 @@ def test_random_bit_flips_never_serve_wrong_bytes_soak(images):
     outcomes = run_flips(images, 1000, seed=random.randrange(1 << 30))
     print(f"1000 flipped journals: {outcomes}")
     assert not outcomes.counts["partial, silent"]
+
+
+# ---- what each kind of damage says --------------------------------------------------------------
+
+def recover_in_process(images: Images) -> tuple[Server, list[str]]:
+    """--recover in this process; the daemon and its warnings."""
+    with kvd_log() as records:
+        daemon = launch(DaemonConfig(images.paths, FUZZ_GEOMETRY, state_dir=str(images.state),
+                                     recover=True))
+    return daemon, [record.getMessage() for record in records if record.levelno >= logging.WARNING]
+
+
+def stop_keeping(daemon: Server) -> None:
+    daemon.stop(keep=True)
+    daemon.serve_forever()
+
+
+WAL_HEADER_NBYTES, WAL_FRAME_HEADER_NBYTES = 32, 24
+
+
+def test_a_wal_that_lost_its_last_commit_says_how_many_acknowledged_seals_are_lost(images):
+    """Regression: a damaged WAL frame makes SQLite drop it and every frame after it, silently:
+    "24 of 24 journaled blocks restored" where 120 had been acknowledged. The segment's counter
+    of acknowledged seals says how many the log lost (the last commit's 8 here)."""
+    wal = bytearray(images.running["-wal"])
+    page_nbytes = int.from_bytes(wal[8:12], "big")
+    # The last frame of the WAL's current run (a checkpoint restarts it at the file's start,
+    # leaving older frames, of another salt, beyond): the last commit's page.
+    frames = range(WAL_HEADER_NBYTES, len(wal), WAL_FRAME_HEADER_NBYTES + page_nbytes)
+    last_frame = [at for at in frames if wal[at + 8:at + 16] == wal[16:24]][-1]
+    wal[last_frame + WAL_FRAME_HEADER_NBYTES + 100] ^= 0x10  # its page: the checksum fails
+    images.put_back({**images.running, "-wal": bytes(wal)})
+    daemon, warnings = recover_in_process(images)
+    try:
+        (line,) = warnings
+        assert "the last 8 acknowledged seals are lost" in line, line
+        assert daemon.started.num_restored == images.num_indexed - 8
+        aside = images.state / f"{JOURNAL_FILENAME}.damaged-1"
+        assert f"kept as {aside}" in line
+        assert (aside.with_name(aside.name + "-wal")).read_bytes() == bytes(wal)  # as it was
+        num_restored = daemon.started.num_restored
+    finally:
+        stop_keeping(daemon)
+    daemon, warnings = recover_in_process(images)  # the fresh journal: sound, and complete
+    try:
+        assert not warnings and daemon.started.num_restored == num_restored
+    finally:
+        stop_keeping(daemon)
+
+
+def test_a_chunk_failing_its_checksum_drops_its_blocks_and_their_descendants(images):
+    """A flipped bit in one chunk's records: that chunk's blocks and the chains below them are
+    dropped (misses), everything else is restored, and the line counts the chunk."""
+    data = bytearray(images.stopped[""])
+    key = images.sealed[-8]  # the head of the last batch's first chain of four
+    data[data.index(key) + 3] ^= 0x01
+    images.put_back({**images.stopped, "": bytes(data)})
+    daemon, warnings = recover_in_process(images)
+    try:
+        (line,) = warnings
+        assert "1 of " in line and "chunks failed their checksum (8 records dropped)" in line
+        pool = daemon.service.pool
+        assert all(pool.find(key) is None for key in images.sealed[-8:])
+        assert daemon.started.num_restored == images.num_indexed - 8
+    finally:
+        stop_keeping(daemon)
+
+
+def test_a_journal_sqlite_cannot_open_is_refused_by_recover_and_set_aside_by_a_plain_start(images):
+    """A journal whose file header is damaged ("file is not a database"): --recover refuses,
+    naming what to do, and keeps it; a plain start (which forgets the blocks anyway) keeps a copy,
+    says where, and starts with a new journal -- it used to fail to start at all."""
+    data = bytearray(images.stopped[""])
+    data[:16] = b"not a database!!"
+    images.put_back({**images.stopped, "": bytes(data)})
+    with pytest.raises(JournalError, match="start without --recover"):
+        recover_in_process(images)
+    assert (images.state / JOURNAL_FILENAME).read_bytes() == data
+    with kvd_log() as records:
+        daemon = launch(DaemonConfig(images.paths, FUZZ_GEOMETRY, state_dir=str(images.state)))
+    try:
+        aside = images.state / f"{JOURNAL_FILENAME}.damaged-1"
+        assert any(f"kept as {aside}" in record.getMessage() for record in records)
+        assert aside.read_bytes() == data
+    finally:
+        stop_keeping(daemon)

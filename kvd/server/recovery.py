@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from kvd.core.pool import BlockPool, IndexRows
-from kvd.errors import DeniedError, JournalError, KvdError
+from kvd.errors import BadArgsError, DeniedError, JournalError, KvdError
 from kvd.geometry import Geometry
 from kvd.hashing import HASH_VERSION
 from kvd.segment import LAYOUT_VERSION, Segment, current_boot_id
@@ -113,10 +113,15 @@ def restore(pool: BlockPool, segment: Segment, journal: Journal, loaded: Loaded)
     Raises:
         BadArgsError: rows the pool cannot take (a corrupt journal): nothing restored.
     """
-    damage = loaded.damage
-    rows = _without_duplicate_keys(loaded.rows, segment.generations, damage)
+    damage, rows = loaded.damage, loaded.rows
     acknowledged = segment.acknowledged_seals
-    num_restored = pool.restore(rows)
+    try:
+        num_restored = pool.restore(rows)
+    except BadArgsError:  # (before restoring anything) a hash claimed twice, say: drop those
+        rows = _without_duplicate_keys(rows, segment.generations, damage)
+        if len(rows.keys) == len(loaded.rows.keys):
+            raise
+        num_restored = pool.restore(rows)
     is_free = np.frombuffer(pool.states(), dtype=np.uint8) == 0
     segment.generations[is_free] += 1  # a block id a worker held across the crash is stale
     text = (f"recovered segment {segment.name}: {num_restored} of {len(rows.block_ids)} journaled "
@@ -144,8 +149,6 @@ def _without_duplicate_keys(rows: IndexRows, generations: np.ndarray,
     a sound log has one such row per hash (an older one names a block freed since), so which of
     two to believe is unknown; both go, counted in `damage`."""
     keys = rows.keys
-    if len(set(keys)) == len(keys):  # (the usual case, at the cost of one set)
-        return rows
     ids = np.asarray(rows.block_ids, dtype=np.int64)
     is_current = (ids >= 0) & (ids < generations.size)
     is_current[is_current] = generations[ids[is_current]] \

@@ -26,7 +26,8 @@ from kvd.errors import JournalError, KvdError
 from kvd.geometry import Geometry
 from kvd.runtime import SHM_DIR, DaemonPaths
 from kvd.server.daemon import DaemonConfig, Server, launch
-from kvd.server.journal import JOURNAL_FILENAME
+from kvd.segment import HEADER_NBYTES
+from kvd.server.journal import JOURNAL_FILENAME, Journal
 from test_recovery import pattern, restartable  # noqa: F401  (a fixture)
 
 # The issue's geometry: 16 blocks of (1 layer, K/V, 4 tokens, 1 head, 8 dims) float32.
@@ -105,7 +106,8 @@ class Images:
 
     def _churn(self, daemon: Server) -> None:
         """Chains of four sealed in batches, one commit each, a checkpoint half-way, and a full
-        pool's evictions: chunks in the database and in the WAL, parents, tombstones."""
+        pool's evictions: chunks in the database and in the WAL, parents, tombstones; four
+        blocks left FREE."""
         pool, journal = daemon.service.pool, daemon.journal
         assert journal is not None
         owner = daemon.service.open_session(os.getpid(), os.getuid()).session_id
@@ -122,6 +124,9 @@ class Images:
             self.sealed += keys
             if batch == 5:
                 journal._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        block_ids = pool.allocate(4, owner)  # evicted, then FREE
+        pool.release(block_ids, owner)
+        journal.commit()
 
     def _save(self) -> dict[str, bytes]:
         image = {suffix: (self.state / f"{JOURNAL_FILENAME}{suffix}").read_bytes()
@@ -283,14 +288,17 @@ WAL_HEADER_NBYTES, WAL_FRAME_HEADER_NBYTES = 32, 24
 def test_a_wal_that_lost_its_last_commit_says_how_many_acknowledged_seals_are_lost(images):
     """Regression: a damaged WAL frame makes SQLite drop it and every frame after it, silently:
     "24 of 24 journaled blocks restored" where 120 had been acknowledged. The segment's counter
-    of acknowledged seals says how many the log lost (the last commit's 8 here)."""
+    of acknowledged seals says how many the log lost: here the last batch's 8 (and the
+    tombstones committed after them, which the generation check makes up for)."""
     wal = bytearray(images.running["-wal"])
     page_nbytes = int.from_bytes(wal[8:12], "big")
-    # The last frame of the WAL's current run (a checkpoint restarts it at the file's start,
-    # leaving older frames, of another salt, beyond): the last commit's page.
-    frames = range(WAL_HEADER_NBYTES, len(wal), WAL_FRAME_HEADER_NBYTES + page_nbytes)
-    last_frame = [at for at in frames if wal[at + 8:at + 16] == wal[16:24]][-1]
-    wal[last_frame + WAL_FRAME_HEADER_NBYTES + 100] ^= 0x10  # its page: the checksum fails
+    # The frames of the WAL's current run (a checkpoint restarts it at the file's start, leaving
+    # older frames, of another salt, beyond); a commit's last frame gives the database's size.
+    frames = [at for at in range(WAL_HEADER_NBYTES, len(wal), WAL_FRAME_HEADER_NBYTES + page_nbytes)
+              if wal[at + 8:at + 16] == wal[16:24]]
+    commit_ends = [at for at in frames if int.from_bytes(wal[at + 4:at + 8], "big")]
+    last_batch = frames[frames.index(commit_ends[-3]) + 1]  # the last batch's commit starts here
+    wal[last_batch + WAL_FRAME_HEADER_NBYTES + 100] ^= 0x10  # its page: the checksum fails
     images.put_back({**images.running, "-wal": bytes(wal)})
     daemon, warnings = recover_in_process(images)
     try:
@@ -344,5 +352,50 @@ def test_a_journal_sqlite_cannot_open_is_refused_by_recover_and_set_aside_by_a_p
         aside = images.state / f"{JOURNAL_FILENAME}.damaged-1"
         assert any(f"kept as {aside}" in record.getMessage() for record in records)
         assert aside.read_bytes() == data
+    finally:
+        stop_keeping(daemon)
+
+
+def appended(images: Images, rows: list[tuple[int, bytes, int, int, int, int]]) -> None:
+    """The stopped image, with `rows` journaled after the rest (checksums and all)."""
+    images.put_back(images.stopped)
+    journal = Journal(images.state)
+    journal.sealed(rows)
+    journal.commit()
+    journal.close()
+
+
+def test_duplicate_claims_are_dropped_and_counted(images):
+    """Records that pass every checksum but claim what another record holds: a block sealed
+    again at a generation not above its last one, and a free block claiming a hash that a
+    restored block holds. Neither is believed (a miss for each, never the other's bytes)."""
+    generations = np.frombuffer(images.stopped["segment"], dtype="<u8", offset=HEADER_NBYTES,
+                                count=FUZZ_GEOMETRY.num_blocks)
+    images.put_back(images.stopped)
+    daemon, _ = recover_in_process(images)
+    try:
+        held = {key: daemon.service.pool.find(key) for key in images.sealed}
+        held = {key: block_id for key, block_id in held.items() if block_id is not None}
+        free = daemon.service.pool.states().index(0)  # (its old record is a tombstone's)
+    finally:
+        stop_keeping(daemon)
+    keys = list(held)
+    key, other_key = keys[-4], keys[0]  # the last chain's head; a key of another chain
+    block_id = held[key]
+    appended(images, [(block_id, other_key, int(generations[block_id]), -1, 0, 0)])
+    daemon, warnings = recover_in_process(images)
+    try:
+        assert "1 records claimed a block or hash already claimed" in warnings[0], warnings
+        assert daemon.service.pool.find(other_key) == held[other_key]
+        assert daemon.service.pool.find(key) is None  # its chain of three goes with it
+        assert daemon.started.num_restored == images.num_indexed - 4
+    finally:
+        stop_keeping(daemon)
+    appended(images, [(free, key, int(generations[free]), -1, 0, 0)])
+    daemon, warnings = recover_in_process(images)
+    try:
+        assert "2 records claimed a block or hash already claimed" in warnings[0], warnings
+        assert daemon.service.pool.find(key) is None
+        assert daemon.started.num_restored == images.num_indexed - 4
     finally:
         stop_keeping(daemon)

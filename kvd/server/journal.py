@@ -274,8 +274,8 @@ class Damage:
             found.append(f"{self.bad_chunks} of {self.num_chunks} chunks failed their checksum "
                          f"({self.bad_records} records dropped)")
         if self.duplicate_claims:
-            found.append(f"{self.duplicate_claims} records claimed a block or hash already "
-                         "claimed (dropped)")
+            found.append(f"{self.duplicate_claims} duplicate claims on a block or hash "
+                         "dropped")
         return found
 
 

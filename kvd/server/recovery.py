@@ -129,8 +129,8 @@ def restore(pool: BlockPool, segment: Segment, journal: Journal, loaded: Loaded)
     problems = damage.describe()
     if acknowledged > loaded.seal_seq:
         problems.append(f"it ends at seal {loaded.seal_seq} where the segment counted "
-                        f"{acknowledged} acknowledged: the last {acknowledged - loaded.seal_seq} "
-                        "acknowledged seals are lost")
+                        f"{acknowledged} acknowledged: {acknowledged - loaded.seal_seq} "
+                        "acknowledged seals lost")
     if not problems:
         log.info("%s", text)
         return num_restored

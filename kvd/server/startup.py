@@ -28,7 +28,8 @@ What a release keeps is `Stop.keep`. A plain stop and a failed start remove segm
 Both stay as they were, for the next --recover, after `kvd stop --keep`, after a kvd bug escaped
 the loop, after a --recover start that failed once it had re-attached the crashed daemon's
 segment (a bad flag must not cost the cache), and after a --recover refused because the journal's
-stamp could not be read (what could not be read is never deleted).
+stamp could not be read (what could not be read is never deleted). A damaged journal a start gets
+past is copied aside first (kvd/server/recovery.py).
 """
 
 from __future__ import annotations

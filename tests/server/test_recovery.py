@@ -213,13 +213,18 @@ class Restartable:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        for path in (self.segment_path, self.paths.socket_path, self.paths.pid_path,
-                     self.paths.lock_path):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        shutil.rmtree(self.state_dir, ignore_errors=True)
+        remove_daemon_files(self.paths, self.state_dir)
+
+
+def remove_daemon_files(paths: DaemonPaths, state: Path) -> None:
+    """Whatever a daemon of `paths` with its journal in `state` may have left."""
+    for path in (f"/dev/shm{paths.segment_name}", paths.socket_path, paths.pid_path,
+                 paths.lock_path):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from kvd.runtime import SHM_DIR, DaemonPaths
 from kvd.server.daemon import DaemonConfig, Server, launch
 from kvd.segment import HEADER_NBYTES
 from kvd.server.journal import JOURNAL_FILENAME, Journal
-from test_recovery import pattern, restartable  # noqa: F401  (a fixture)
+from test_recovery import pattern, remove_daemon_files, restartable  # noqa: F401  (a fixture)
 
 # The geometry: 16 blocks of (1 layer, K/V, 4 tokens, 1 head, 8 dims) float32.
 SMALL = {"num_blocks": 16, "layers": 1, "kv_heads": 1, "head_dim": 8, "block_size": 4,
@@ -147,13 +147,7 @@ class Images:
             file.write(image["segment"])
 
     def cleanup(self) -> None:
-        for path in (self.segment_path, self.paths.socket_path, self.paths.pid_path,
-                     self.paths.lock_path):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        shutil.rmtree(self.state, ignore_errors=True)
+        remove_daemon_files(self.paths, self.state)
 
 
 @pytest.fixture(scope="module")

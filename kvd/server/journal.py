@@ -190,7 +190,6 @@ COMPACT_BUDGET = 1024  # records a compaction step cleans at least (whole chunks
 PAGE_NBYTES = 4096  # SQLite's default page size
 CHECKPOINT_NBYTES = 4 << 20  # WAL bytes that make tidy() checkpoint (module docstring)
 _CHUNK = tuple[int, int]  # (chunk id, number of records)
-_ROW = tuple[int, int, bytes]  # a chunk as decoded: (chunk id, key width, records)
 _BytesRow = tuple[int, bytes, int, int, int, int]  # a JournalRow as the daemon makes it
 
 
@@ -259,12 +258,8 @@ class Damage:
     unreadable: str = ""  # SQLite's error where reading the log stopped short
     check: str = ""  # the first complaint of SQLite's quick_check
 
-    @property
-    def is_damaged(self) -> bool:
-        return bool(self.bad_chunks or self.duplicate_claims or self.unreadable or self.check)
-
     def describe(self) -> list[str]:
-        """One phrase per kind of damage found."""
+        """One phrase per kind of damage found (none: the log is sound)."""
         found = []
         if self.check:
             found.append(f"SQLite's check found {self.check!r}")
@@ -721,7 +716,8 @@ def set_aside_files(state_dir: str | os.PathLike[str],
                 shutil.copyfile(f"{path}{suffix}", f"{aside}{suffix}")
                 os.chmod(f"{aside}{suffix}", 0o600)
     except OSError as exc:
-        raise JournalError(f"cannot set the damaged journal {path} aside: {exc}") from None
+        raise JournalError(f"cannot copy the damaged journal {path} aside ({exc}), so it is kept "
+                           f"as it was: make room in {path.parent}, or move it away") from None
     if close is not None:
         close()
     remove_journal(state_dir, keep_dir=True)

@@ -61,7 +61,12 @@ def stamp(segment: Segment) -> dict[str, Any]:
 
 def attach_recoverable(segment_name: str, geometry: Geometry,
                        journal: Journal) -> tuple[Segment, Loaded] | None:
-    """The previous segment and its journaled blocks, or None (logged) to start clean."""
+    """The previous segment and its journaled blocks, or None (logged) to start clean.
+
+    Raises:
+        JournalError: the stamp cannot be read, or a journal that cannot be read could not be
+            set aside: both are kept as they were.
+    """
     try:
         segment = Segment.attach(segment_name)
     except DeniedError:  # not ours to map, nor to replace: the start is refused, saying why
@@ -90,19 +95,14 @@ def attach_recoverable(segment_name: str, geometry: Geometry,
             return segment, journal.load()
         except (JournalError, sqlite3.Error, ValueError) as exc:  # unreadable: never map it
             reason = f"the journal in {journal.path} cannot be read ({exc})"
-            reason += f"; it is kept as {set_aside(journal)}"
+            try:
+                reason += f"; it is kept as {journal.set_aside()}"
+            except JournalError:
+                segment.close()
+                raise
     log.warning("recovery: %s; starting clean", reason)
     segment.close()
     return None
-
-
-def set_aside(journal: Journal) -> str:
-    """Set the journal's files aside (never deleted: module docstring); where they went, or why
-    they could not go."""
-    try:
-        return str(journal.set_aside())
-    except JournalError as exc:
-        return f"nowhere: {exc}"
 
 
 def restore(pool: BlockPool, segment: Segment, journal: Journal, loaded: Loaded) -> int:
@@ -112,6 +112,7 @@ def restore(pool: BlockPool, segment: Segment, journal: Journal, loaded: Loaded)
 
     Raises:
         BadArgsError: rows the pool cannot take (a corrupt journal): nothing restored.
+        JournalError: a damaged journal could not be set aside (so it is kept as it was).
     """
     damage, rows = loaded.damage, loaded.rows
     acknowledged = segment.acknowledged_seals
@@ -134,8 +135,8 @@ def restore(pool: BlockPool, segment: Segment, journal: Journal, loaded: Loaded)
     if not problems:
         log.info("%s", text)
         return num_restored
+    aside = journal.set_aside()
     segment.acknowledged_seals = 0  # what the fresh journal holds until its rewrite commits
-    aside = set_aside(journal)
     journal.reset(stamp(segment))
     journal.rewrite(pool.journal_rows())
     log.warning("%s; the journal was damaged: %s; its files are kept as %s", text,

@@ -59,7 +59,7 @@ from kvd.runtime import state_dir as state_dir_of
 from kvd.segment import Segment
 from kvd.server.journal import Journal, failpoint, remove_journal, set_aside_files
 from kvd.server.metrics import OpStats, serve_metrics
-from kvd.server.recovery import attach_recoverable, restore, set_aside, stamp
+from kvd.server.recovery import attach_recoverable, restore, stamp
 from kvd.server.service import Service
 
 log = logging.getLogger("kvd")
@@ -263,7 +263,7 @@ def _recover(config: DaemonConfig, journal: Journal | None, stop: Stop,
     try:
         num_restored = restore(pool, segment, journal, loaded)
     except BadArgsError as exc:  # a journal the pool cannot take: never map it, nor delete it
-        log.warning("recovery: %s; it is kept as %s; starting clean", exc, set_aside(journal))
+        log.warning("recovery: %s; it is kept as %s; starting clean", exc, journal.set_aside())
         stop.keep = False  # (the old mapping goes with the pool)
         return None
     undo.callback(_release_segment, segment, stop)

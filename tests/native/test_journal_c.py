@@ -251,7 +251,7 @@ def test_a_commit_applied_in_c_waits_for_older_chunks_left_to_settle(tmp_path: A
     damage = journal.Damage()
     rescan = journal._scan(journal._checked(log._db.execute(
         f"{journal._SELECT_CHUNKS} ORDER BY chunk_id").fetchall(), damage), damage)[1]
-    assert not damage.is_damaged
+    assert not damage.describe()
     assert view.num_live == rescan.num_live == 3
     assert list(view.chunk_of[:len(rescan.chunk_of)]) == list(rescan.chunk_of)
     assert not any(view.chunk_of[len(rescan.chunk_of):])

@@ -10,6 +10,7 @@ deleting it. Every block a test seals holds bytes derived from its hash (test_re
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import random
@@ -27,6 +28,7 @@ from kvd.geometry import Geometry
 from kvd.runtime import SHM_DIR, DaemonPaths
 from kvd.server.daemon import DaemonConfig, Server, launch
 from kvd.segment import HEADER_NBYTES
+import kvd.server.journal as journal_module
 from kvd.server.journal import JOURNAL_FILENAME, Journal
 from test_recovery import pattern, remove_daemon_files, restartable  # noqa: F401  (a fixture)
 
@@ -391,5 +393,28 @@ def test_duplicate_claims_are_dropped_and_counted(images):
         assert "2 duplicate claims on a block or hash dropped" in warnings[0], warnings
         assert daemon.service.pool.find(key) is None
         assert daemon.started.num_restored == images.num_indexed - 4
+    finally:
+        stop_keeping(daemon)
+
+
+def test_a_damaged_journal_that_cannot_be_copied_aside_is_refused_and_kept(images, monkeypatch):
+    """Where the copy fails (a full state directory), the fresh journal would overwrite the
+    damaged one: the start is refused instead, and segment and journal stay as they were."""
+    data = bytearray(images.stopped[""])
+    data[data.index(images.sealed[-1]) + 1] ^= 0x04
+    images.put_back({**images.stopped, "": bytes(data)})
+
+    def full(*args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(journal_module.shutil, "copyfile", full)
+    with pytest.raises(JournalError, match="kept as it was"):
+        recover_in_process(images)
+    assert (images.state / JOURNAL_FILENAME).read_bytes() == data
+    assert not list(images.state.glob("*.damaged-*"))
+    monkeypatch.undo()
+    daemon, warnings = recover_in_process(images)  # with room again: recovered, set aside
+    try:
+        assert "1 of " in warnings[0] and "failed their checksum" in warnings[0]
     finally:
         stop_keeping(daemon)

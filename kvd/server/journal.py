@@ -406,7 +406,8 @@ class Journal:
             # reply's path: tidy() checkpoints first; this one is only a backstop.
             self._db.execute(f"PRAGMA wal_autocheckpoint={2 * CHECKPOINT_NBYTES // PAGE_NBYTES}")
             self._db.executescript(_SCHEMA)
-        except (sqlite3.Error, OSError) as exc:
+        # (ValueError: a damaged schema's message is not always UTF-8)
+        except (sqlite3.Error, OSError, ValueError) as exc:
             raise JournalError(f"cannot open the journal {self.path}: {exc}") from None
         self._cursor = self._db.cursor()  # reused: conn.execute() makes a cursor per call
 
@@ -513,7 +514,7 @@ class Journal:
             self._cursor.execute("BEGIN")
             body()
             self._cursor.execute("COMMIT")
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, ValueError) as exc:  # (ValueError: a message quoting damaged bytes)
             self._rollback()
             self._log = None  # it may have seen changes that were rolled back
             raise JournalError(f"journal write to {self.path} failed: {exc}") from None
@@ -627,16 +628,21 @@ class Journal:
 
     def reset(self, stamp: dict[str, Any]) -> None:
         """Forget every block and record a new stamp (a clean start). The log table is made
-        anew, in this version's schema, whatever version made the old one."""
+        anew, in this version's schema, whatever version made the old one.
+
+        Raises:
+            JournalError: the database could not be written (damaged, say)."""
         self._clear_pending()
-        self._db.execute("BEGIN")
-        self._db.execute("DROP TABLE IF EXISTS log")
-        self._db.execute(_LOG_TABLE)
-        self._db.execute("DELETE FROM stamp")
-        self._db.executemany("INSERT INTO stamp VALUES (?, ?)",
-                             [(key, json.dumps(value)) for key, value in stamp.items()]
-                             + [(STAMP_CHECKSUM, json.dumps(_stamp_checksum(stamp)))])
-        self._db.execute("COMMIT")
+
+        def replace_all() -> None:
+            self._db.execute("DROP TABLE IF EXISTS log")
+            self._db.execute(_LOG_TABLE)
+            self._db.execute("DELETE FROM stamp")
+            self._db.executemany("INSERT INTO stamp VALUES (?, ?)",
+                                 [(key, json.dumps(value)) for key, value in stamp.items()]
+                                 + [(STAMP_CHECKSUM, json.dumps(_stamp_checksum(stamp)))])
+
+        self._transaction(replace_all)
         self._log = _LogState()
         self._committed_seal_seq = 0
 
@@ -649,7 +655,7 @@ class Journal:
             (verdict,) = self._db.execute("PRAGMA quick_check(1)").fetchone()
             if verdict != "ok":
                 damage.check = str(verdict)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, ValueError) as exc:  # (a message quoting damaged bytes)
             damage.check = str(exc)
         rows, self._log = _scan(_checked(self._read_chunks(damage), damage), damage)
         self._committed_seal_seq = self._log.seal_seq
@@ -665,7 +671,7 @@ class Journal:
             cursor = self._db.execute(f"{_SELECT_CHUNKS} ORDER BY chunk_id")
             while batch := cursor.fetchmany(1024):
                 rows += batch
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, ValueError) as exc:  # (a message quoting damaged bytes)
             damage.unreadable = str(exc)
         finally:
             self._db.text_factory = str

@@ -236,6 +236,8 @@ def _open_pool(config: DaemonConfig, journal: Journal | None, stop: Stop,
             return recovered
     segment = _create_segment(config, journal)
     undo.callback(_release_segment, segment, stop)
+    if journal is not None:
+        _reset_journal(journal, segment)
     return segment, _new_pool(config, segment, journal), 0
 
 
@@ -300,15 +302,22 @@ def _create_segment(config: DaemonConfig, journal: Journal | None) -> Segment:
                     "with --keep (kvd start --recover keeps it)", paths.segment_name)
         os.unlink(stale)
     segment = Segment.create(paths.segment_name, config.geometry)
-    if journal is not None:
-        journal.reset(stamp(segment))
-        journal.on_commit = segment.set_acknowledged_seals
-    elif Path(config.journal_dir) == state_dir_of(paths.name):
+    if journal is None and Path(config.journal_dir) == state_dir_of(paths.name):
         # A journal there describes a segment that is gone (say, kept by stop --keep and
         # then started clean with --no-journal): nothing would ever remove it. (Only under
         # the name's own default: the lock held covers nothing else.)
         remove_journal(config.journal_dir)
     return segment
+
+
+def _reset_journal(journal: Journal, segment: Segment) -> None:
+    """Start the journal over for a new segment."""
+    try:
+        journal.reset(stamp(segment))
+    except JournalError as exc:  # a damaged file SQLite opened but cannot write
+        log.warning("%s; it is kept as %s; starting with a new journal", exc, journal.set_aside())
+        journal.reset(stamp(segment))
+    journal.on_commit = segment.set_acknowledged_seals
 
 
 def _block_copier(blocks: np.ndarray) -> Callable[[int, int], None]:

@@ -202,15 +202,17 @@ class Outcomes:
 
 
 def recover_flipped(images: Images, image: dict[str, bytes], rng: random.Random,
-                    outcomes: Outcomes) -> None:
-    """Flip bits in `image`, recover it in-process, and check every hit's bytes."""
+                    outcomes: Outcomes, recover: bool = True) -> None:
+    """Flip bits in `image`, recover it in-process (or start plainly, which must start: it
+    forgets the blocks anyway), and check every hit's bytes."""
     damaged, where = flipped(image, rng)
     images.put_back(damaged)
     with kvd_log() as records:
         try:
             daemon = launch(DaemonConfig(images.paths, FUZZ_GEOMETRY,
-                                         state_dir=str(images.state), recover=True))
+                                         state_dir=str(images.state), recover=recover))
         except KvdError as exc:  # a typed refusal: it must say so, and keep the journal
+            assert recover, (where, exc)
             outcomes.counts["refused"] += 1
             assert "journal" in str(exc), (where, exc)
             assert (images.state / JOURNAL_FILENAME).exists(), where
@@ -226,6 +228,9 @@ def recover_flipped(images: Images, image: dict[str, bytes], rng: random.Random,
         assert not any(record.exc_info for record in records), where
         warnings = [record.getMessage() for record in records if record.levelno >= logging.WARNING]
         num_restored = daemon.started.num_restored
+        if not recover:
+            outcomes.counts["plain starts"] += 1
+            return
         if num_restored < images.num_indexed:  # fewer than were acknowledged: it must say so
             assert any("damaged" in text or "starting clean" in text for text in warnings), \
                 (where, num_restored, warnings)
@@ -243,14 +248,15 @@ def recover_flipped(images: Images, image: dict[str, bytes], rng: random.Random,
 def run_flips(images: Images, num_cases: int, seed: int) -> Outcomes:
     rng, outcomes = random.Random(seed), Outcomes()
     for case in range(num_cases):
-        recover_flipped(images, images.running if case % 2 else images.stopped, rng, outcomes)
+        recover_flipped(images, images.running if case % 2 else images.stopped, rng, outcomes,
+                        recover=case % 10 != 9)
     return outcomes
 
 
 def test_random_bit_flips_never_serve_wrong_bytes(images):
-    """100 recoveries of journals with 1-3 random bits flipped, half with commits still in the
-    WAL: 0 wrong bytes, 0 tracebacks, and every recovery that restored fewer blocks than were
-    acknowledged says so (or is a typed refusal)."""
+    """100 starts on journals with 1-3 random bits flipped, half with commits still in the WAL,
+    one in ten a plain start: 0 wrong bytes, 0 tracebacks, every recovery that restored fewer
+    blocks than were acknowledged says so (or is a typed refusal), every plain start starts."""
     outcomes = run_flips(images, 100, seed=34)
     print(f"100 flipped journals: {outcomes}")
     assert not outcomes.counts["partial, silent"]

@@ -424,3 +424,19 @@ def test_a_damaged_journal_that_cannot_be_copied_aside_is_refused_and_kept(image
         assert "1 of " in warnings[0] and "failed their checksum" in warnings[0]
     finally:
         stop_keeping(daemon)
+
+
+def test_a_record_naming_another_block_cannot_match_its_generation(images):
+    """Defence in depth, for damage a checksum missed: records that carry the generations of
+    the blocks they were sealed in, moved to other blocks. With one base shared by all blocks
+    (as generations were), every block freed as often matched; with a base per block none does."""
+    generations = np.frombuffer(images.stopped["segment"], dtype="<u8", offset=HEADER_NBYTES,
+                                count=FUZZ_GEOMETRY.num_blocks)
+    moved = {os.urandom(16): block_id for block_id in range(FUZZ_GEOMETRY.num_blocks)}
+    appended(images, [(block_id, key, int(generations[(block_id + 1) % len(generations)]), -1, 0,
+                       0) for key, block_id in moved.items()])
+    daemon, _ = recover_in_process(images)
+    try:
+        assert not any(daemon.service.pool.find(key) is not None for key in moved)
+    finally:
+        stop_keeping(daemon)

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import shutil
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -160,6 +161,33 @@ def test_reset_records_the_stamp_and_forgets_blocks(journal):
     assert reopened(journal) == ([], [])
     journal.reset({"boot_id": "cd"})
     assert journal.read_stamp() == {"boot_id": "cd"}
+
+
+def test_a_journal_of_the_previous_version_is_read_and_reset_into_this_ones_schema(tmp_path):
+    """A version-3 journal (no chunk checksums, no stamp checksum) reads as a stamp of another
+    version, which recovery refuses to restore; the clean start's reset then makes the log
+    table in this version's schema, so commits work (a DELETE would have kept three columns)."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    with contextlib.closing(sqlite3.connect(state_dir / JOURNAL_FILENAME)) as old:
+        old.executescript("CREATE TABLE stamp (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+                          "CREATE TABLE log (chunk_id INTEGER PRIMARY KEY, "
+                          "key_width INTEGER NOT NULL, records BLOB NOT NULL);"
+                          "INSERT INTO stamp VALUES ('journal_version', '3');")
+        old.commit()
+    with contextlib.closing(Journal(state_dir)) as journal:
+        assert journal.read_stamp() == {"journal_version": 3}
+        journal.reset({"journal_version": journal_module.JOURNAL_VERSION})
+        seal(journal, 1, b"x")
+        journal.commit()
+        assert reopened(journal) == ([1], [b"x"])
+
+
+def test_a_stamp_that_fails_its_checksum_cannot_be_read(journal):
+    journal.reset({"journal_version": journal_module.JOURNAL_VERSION, "boot_id": "ab"})
+    journal._db.execute("UPDATE stamp SET value = '\"ac\"' WHERE key = 'boot_id'")
+    with pytest.raises(JournalError, match="checksum does not match"):
+        journal.read_stamp()
 
 
 def test_injected_write_failure_raises_journal_error_and_writes_nothing(tmp_path, monkeypatch):

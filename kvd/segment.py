@@ -35,6 +35,20 @@ Layout (all integers little-endian; the segment never leaves the host)::
              │        head_dim) of the storage dtype (bfloat16 as uint16)   │
       total └──────────────────────────────────────────────────────────────┘
 
+Several pools (layout version 2, kvd/core/arena.py): the header holds the slab size and count
+and a table of pools (name, block shape, dtype, window, id space, generations offset); each
+pool's generations follow the header, then the data area of `num_slabs` slabs::
+
+       0 ┌ header: magic, version 2, header nbytes, uuid, boot id, num_pools, slab nbytes,    ┐
+         │ num_slabs, data offset, total nbytes; at 128: one 96-byte entry per pool         │
+    4096 ├ pool 0's generations: uint64[num_ids(0)], pool 1's, ... (each 4096-aligned)      ┤
+ data off├ slab 0 │ slab 1 │ ... │ slab num_slabs-1   (who owns a slab is the daemon's      ┤
+         └─────────────────────────────────────────── business: addresses never change)  ┘
+
+Pool P's block b lives at data offset + (b // bps) * slab nbytes + (b % bps) * block nbytes,
+bps = slab nbytes // block nbytes: a view's address is static, whichever pool owns the slab now.
+A single-pool daemon keeps layout version 1 above (its pool is named "default").
+
 Creation reserves every page with `posix_fallocate` after checking `statvfs`: tmpfs happily
 `ftruncate`s past its free space and then kills the first process that touches a missing page
 with SIGBUS; reserving up front turns that into a NoSpaceError at start. The magic is written
@@ -71,6 +85,7 @@ import re
 import secrets
 import struct
 import uuid
+from dataclasses import dataclass, replace
 from types import TracebackType
 
 import numpy as np
@@ -91,6 +106,14 @@ DTYPE_CODES = {"float16": 1, "float32": 2, "bfloat16": 3}  # 0 stays invalid: a 
 _DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 
 _HEADER = struct.Struct("<8sII16s16s5QI4xQQQ")
+POOLS_LAYOUT_VERSION = 2
+# magic, version, header nbytes, uuid, boot id, num_pools, slab nbytes, num_slabs, data offset,
+# total nbytes; then at POOL_TABLE_OFFSET one _POOL_ENTRY per pool: name, num_layers, parts,
+# block_size, num_kv_heads, head_dim, dtype code, window (0: none), num_ids, generations offset.
+_POOLS_HEADER = struct.Struct("<8sII16s16sI4xQQQQ")
+_POOL_ENTRY = struct.Struct("<32s6IQQQ8x")
+POOL_TABLE_OFFSET = 128
+MAX_SEGMENT_POOLS = 16
 _ACKNOWLEDGED_SEALS = struct.Struct("<Q")
 ACKNOWLEDGED_SEALS_OFFSET = HEADER_NBYTES - _ACKNOWLEDGED_SEALS.size  # the header's last 8 bytes
 GENERATION_BASE_LIMIT = 1 << 62  # per-block random bases below it: 2**62 bumps before 2**63
@@ -116,6 +139,37 @@ def layout(geometry: Geometry) -> tuple[int, int, int]:
     generations_offset = HEADER_NBYTES
     pool_offset = _align_up(generations_offset + 8 * geometry.num_blocks, PAGE_NBYTES)
     return generations_offset, pool_offset, pool_offset + geometry.pool_nbytes
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Where one pool's generations and blocks are. `geometry.num_blocks` is its id space."""
+
+    name: str
+    geometry: Geometry
+    generations_offset: int
+    data_offset: int
+    slab_nbytes: int
+
+    @property
+    def blocks_per_slab(self) -> int:
+        return self.slab_nbytes // self.geometry.block_nbytes
+
+    def block_offset(self, block_id: int) -> int:
+        slab, slot = divmod(block_id, self.blocks_per_slab)
+        return self.data_offset + slab * self.slab_nbytes + slot * self.geometry.block_nbytes
+
+
+def pools_layout(shapes: list[tuple[str, Geometry]], slab_nbytes: int,
+                 num_slabs: int) -> tuple[list[PoolLayout], int]:
+    """Each pool's PoolLayout (geometry with its id space) and the total nbytes, layout 2."""
+    offset, layouts = HEADER_NBYTES, []
+    for name, shape in shapes:
+        geometry = replace(shape, num_blocks=num_slabs * (slab_nbytes // shape.block_nbytes))
+        layouts.append(PoolLayout(name, geometry, offset, 0, slab_nbytes))
+        offset = _align_up(offset + 8 * geometry.num_blocks, PAGE_NBYTES)
+    layouts = [replace(each, data_offset=offset) for each in layouts]
+    return layouts, offset + num_slabs * slab_nbytes
 
 
 def _align_up(value: int, alignment: int) -> int:
@@ -147,13 +201,22 @@ class Segment:
     """One mapped shared-memory segment. Build with `Segment.create` or `Segment.attach`."""
 
     def __init__(self, name: str, mapping: mmap.mmap, geometry: Geometry, segment_uuid: bytes,
-                 boot_id: bytes) -> None:
+                 boot_id: bytes, pools: list[PoolLayout] | None = None,
+                 nbytes: int | None = None) -> None:
+        """`pools` and `nbytes` for layout 2 (then `geometry` is the first pool's)."""
         self._name = name
         self._mmap: mmap.mmap | None = mapping
         self._geometry = geometry
         self._uuid = segment_uuid
         self._boot_id = boot_id
         self._generations_offset, self._pool_offset, self._nbytes = layout(geometry)
+        if pools is None:
+            pools = [PoolLayout("default", geometry, self._generations_offset, self._pool_offset,
+                                geometry.block_nbytes)]
+        else:
+            self._nbytes = nbytes or 0
+        self.is_multi_pool = nbytes is not None
+        self.pools = {each.name: each for each in pools}
         # Cached because Geometry computes them with np.prod (µs each) and block() is per view.
         self._block_shape = geometry.block_shape
         self._block_nbytes = geometry.block_nbytes
@@ -173,23 +236,43 @@ class Segment:
         """
         check_name(name)
         _, _, total_nbytes = layout(geometry)
-        _check_free_space(total_nbytes)
-        boot_id = current_boot_id()
-        try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
-        except posix_ipc.ExistentialError:
-            raise InUseError(f"segment {name} already exists (a running daemon, or one that "
-                             "crashed): recover it, or unlink it if no daemon uses it") from None
-        try:
-            mapping = _reserve_and_map(shm, total_nbytes)
-        except BaseException:
-            shm.unlink()
-            raise
-        finally:
-            shm.close_fd()  # the mapping keeps the memory; nothing needs the fd after mmap
+        mapping, boot_id = _create_mapping(name, total_nbytes)
         segment = cls(name, mapping, geometry, uuid.uuid4().bytes, boot_id)
         segment._write_header(mapping)
         return segment
+
+    @classmethod
+    def create_pools(cls, name: str, shapes: list[tuple[str, Geometry]], slab_nbytes: int,
+                     num_slabs: int) -> Segment:
+        """Create a layout-2 segment for pools sharing `num_slabs` slabs (module docstring);
+        raises as `create` does."""
+        check_name(name)
+        if len(shapes) > MAX_SEGMENT_POOLS:
+            raise BadArgsError(f"a segment holds at most {MAX_SEGMENT_POOLS} pools")
+        pools, total_nbytes = pools_layout(shapes, slab_nbytes, num_slabs)
+        mapping, boot_id = _create_mapping(name, total_nbytes)
+        segment = cls(name, mapping, pools[0].geometry, uuid.uuid4().bytes, boot_id, pools,
+                      total_nbytes)
+        segment._write_pools_header(mapping, slab_nbytes, num_slabs)
+        return segment
+
+    def _write_pools_header(self, mapping: mmap.mmap, slab_nbytes: int, num_slabs: int) -> None:
+        pools = list(self.pools.values())
+        header = _POOLS_HEADER.pack(MAGIC, POOLS_LAYOUT_VERSION, HEADER_NBYTES, self._uuid,
+                                    self._boot_id, len(pools), slab_nbytes, num_slabs,
+                                    pools[0].data_offset, self._nbytes)
+        rng = np.random.default_rng(secrets.randbits(128))  # (per-block bases, as in layout 1)
+        for number, pool in enumerate(pools):
+            g = pool.geometry
+            _POOL_ENTRY.pack_into(
+                mapping, POOL_TABLE_OFFSET + number * _POOL_ENTRY.size, pool.name.encode(),
+                g.num_layers, g.parts, g.block_size, g.num_kv_heads, g.head_dim,
+                DTYPE_CODES[g.dtype], g.window or 0, g.num_blocks, pool.generations_offset)
+            generations = self.generations_of(pool.name)
+            generations[:] = rng.integers(0, GENERATION_BASE_LIMIT, generations.size, np.uint64)
+            del generations
+        mapping[len(MAGIC):_POOLS_HEADER.size] = header[len(MAGIC):]
+        mapping[:len(MAGIC)] = MAGIC
 
     @classmethod
     def attach(cls, name: str) -> Segment:
@@ -225,6 +308,10 @@ class Segment:
         finally:
             shm.close_fd()
         try:
+            if struct.unpack_from("<I", mapping, len(MAGIC))[0] == POOLS_LAYOUT_VERSION:
+                pools, segment_uuid, boot_id = _read_pools_header(name, mapping)
+                return cls(name, mapping, pools[0].geometry, segment_uuid, boot_id, pools,
+                           len(mapping))
             return cls(name, mapping, *_read_header(name, mapping))
         except BaseException:
             mapping.close()
@@ -275,6 +362,34 @@ class Segment:
         """Every block, read-only (cannot be made writable again)."""
         return self._array(self._pool_offset, self._geometry.numpy_dtype,
                            self._geometry.pool_shape, readonly=True)
+
+    def generations_of(self, pool: str) -> np.ndarray:
+        """One pool's generation counters, uint64[its id space] (written by the daemon only)."""
+        layout_ = self._pool_layout(pool)
+        return self._array(layout_.generations_offset, np.dtype("<u8"),
+                           (layout_.geometry.num_blocks,), readonly=False)
+
+    def slabs_of(self, pool: str, readonly: bool = False) -> np.ndarray:
+        """Every block of a pool as `(num_slabs, blocks_per_slab, *block_shape)`: block b is
+        `[b // blocks_per_slab, b % blocks_per_slab]` (a slab's tail is not in the view)."""
+        layout_ = self._pool_layout(pool)
+        geometry, bps = layout_.geometry, layout_.blocks_per_slab
+        data = self._array(layout_.data_offset, geometry.numpy_dtype,
+                           ((self._nbytes - layout_.data_offset) // geometry.numpy_dtype.itemsize,),
+                           readonly)
+        inner = [geometry.numpy_dtype.itemsize]  # a block's C-order strides, last axis first
+        for extent in reversed(geometry.block_shape[1:]):
+            inner.insert(0, inner[0] * extent)
+        return np.lib.stride_tricks.as_strided(
+            data, (geometry.num_blocks // bps, bps, *geometry.block_shape),
+            (layout_.slab_nbytes, geometry.block_nbytes, *inner), writeable=not readonly)
+
+    def _pool_layout(self, pool: str) -> PoolLayout:
+        layout_ = self.pools.get(pool)
+        if layout_ is None:
+            raise NotFoundError(f"segment {self._name} has no pool {pool!r}; it has "
+                                f"{', '.join(self.pools)}")
+        return layout_
 
     def block(self, block_id: int, readonly: bool = False) -> np.ndarray:
         """One block, shape `geometry.block_shape`, a view into shared memory (no copy)."""
@@ -372,6 +487,25 @@ class Segment:
         return f"Segment({self._name!r}, {self._geometry}, {state})"
 
 
+def _create_mapping(name: str, total_nbytes: int) -> tuple[mmap.mmap, bytes]:
+    """A new shm object of `total_nbytes` (0600), reserved and mapped, and this boot's id."""
+    _check_free_space(total_nbytes)
+    boot_id = current_boot_id()
+    try:
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
+    except posix_ipc.ExistentialError:
+        raise InUseError(f"segment {name} already exists (a running daemon, or one that "
+                         "crashed): recover it, or unlink it if no daemon uses it") from None
+    try:
+        mapping = _reserve_and_map(shm, total_nbytes)
+    except BaseException:
+        shm.unlink()
+        raise
+    finally:
+        shm.close_fd()  # the mapping keeps the memory; nothing needs the fd after mmap
+    return mapping, boot_id
+
+
 def _reserve_and_map(shm: posix_ipc.SharedMemory, total_nbytes: int) -> mmap.mmap:
     # posix_fallocate both sets the size and allocates every page, so a full /dev/shm fails here.
     try:
@@ -381,6 +515,32 @@ def _reserve_and_map(shm: posix_ipc.SharedMemory, total_nbytes: int) -> mmap.mma
         raise NoSpaceError(_no_space_message(stat.f_bavail * stat.f_frsize, total_nbytes)
                            + f" ({exc.strerror})") from None
     return mmap.mmap(shm.fd, total_nbytes)
+
+
+def _read_pools_header(name: str, mapping: mmap.mmap) -> tuple[list[PoolLayout], bytes, bytes]:
+    """Validate a layout-2 header; return `(pools, uuid, boot id)`."""
+    (magic, _, header_nbytes, segment_uuid, boot_id, num_pools, slab_nbytes, num_slabs,
+     data_offset, total_nbytes) = _POOLS_HEADER.unpack_from(mapping, 0)
+    if magic != MAGIC or header_nbytes != HEADER_NBYTES:
+        raise VersionError(f"{name} is not a kvd segment (bad magic {magic!r}): unlink it or "
+                           "choose another --name")
+    if not 0 < num_pools <= MAX_SEGMENT_POOLS or not slab_nbytes:
+        raise VersionError(f"{name} has a corrupt header ({num_pools} pools): unlink it")
+    shapes = []
+    for number in range(num_pools):
+        (raw_name, num_layers, parts, block_size, num_kv_heads, head_dim, dtype_code, window,
+         _, _) = _POOL_ENTRY.unpack_from(mapping, POOL_TABLE_OFFSET + number * _POOL_ENTRY.size)
+        try:
+            shapes.append((raw_name.rstrip(b"\0").decode(), Geometry(
+                1, num_layers, block_size, num_kv_heads, head_dim,
+                _DTYPE_NAMES.get(dtype_code, f"code {dtype_code}"), parts, window or None)))
+        except (BadArgsError, UnicodeDecodeError) as exc:
+            raise VersionError(f"{name} has a corrupt header ({exc}): unlink it") from None
+    pools, expected_nbytes = pools_layout(shapes, slab_nbytes, num_slabs)
+    if (expected_nbytes, pools[0].data_offset) != (total_nbytes, data_offset) \
+            or total_nbytes != len(mapping):
+        raise VersionError(f"{name} has a corrupt header (sizes do not add up): unlink it")
+    return pools, segment_uuid, boot_id
 
 
 def _read_header(name: str, mapping: mmap.mmap) -> tuple[Geometry, bytes, bytes]:

@@ -50,6 +50,7 @@ from types import FrameType
 
 import numpy as np
 
+from kvd.core.arena import Arena
 from kvd.core.policies import make_policy
 from kvd.core.pool import BlockPool
 from kvd.errors import BadArgsError, DeniedError, InUseError, JournalError, KvdError
@@ -59,6 +60,7 @@ from kvd.runtime import state_dir as state_dir_of
 from kvd.segment import Segment
 from kvd.server.journal import Journal, failpoint, remove_journal, set_aside_files
 from kvd.server.metrics import OpStats, serve_metrics
+from kvd.server.config import PoolSpec, check_pools
 from kvd.server.recovery import attach_recoverable, restore, stamp
 from kvd.server.service import Service
 
@@ -76,6 +78,8 @@ class DaemonConfig:
         state_dir: where the journal lives (None: runtime.state_dir(name)).
         recover: re-attach the segment and journal a previous daemon left, if they match.
         journal: keep the crash-recovery journal (off: faster seals, nothing survives).
+        pools: several pools (kvd/server/config.py) sharing `budget_nbytes` through an arena
+            (kvd/core/arena.py); empty: the one pool of `geometry`, named "default".
     """
 
     paths: DaemonPaths
@@ -86,11 +90,18 @@ class DaemonConfig:
     state_dir: str | None = None
     recover: bool = False
     journal: bool = True
+    pools: tuple[PoolSpec, ...] = ()
+    budget_nbytes: int = 0
 
     def __post_init__(self) -> None:
         port = self.metrics_port
         if port is not None and not (type(port) is int and 0 <= port <= 65535):
             raise BadArgsError(f"metrics port must be an int in [0, 65535], got {port!r}")
+        if self.pools:
+            check_pools(list(self.pools), self.budget_nbytes)
+            if self.recover:
+                raise BadArgsError("--recover is not supported with several pools yet: start "
+                                   "without --recover (the pools start clean)")
 
     @property
     def journal_dir(self) -> str:
@@ -202,14 +213,18 @@ def start(config: DaemonConfig) -> Started:
         selector = undo.enter_context(selectors.DefaultSelector())
         undo.callback(_unlink_quietly, paths.pid_path)
         journal = None
-        if config.journal:
+        if config.journal and not config.pools:  # (several pools: no journal yet)
             journal = _open_journal(config)
             undo.callback(_release_journal, journal, stop)
-        segment, pool, num_restored = _open_pool(config, journal, stop, undo)
-        info = {"segment": segment.name, "segment_uuid": segment.uuid,
-                "daemon_pid": os.getpid(), "name": paths.name}
-        service = Service(pool, config.geometry, _block_copier(segment.pool), info, OpStats(),
-                          on_shutdown=stop.on_shutdown)
+        if config.pools:
+            segment, service = _open_pools(config, stop, undo)
+            num_restored = 0
+        else:
+            segment, pool, num_restored = _open_pool(config, journal, stop, undo)
+            service = Service(pool, config.geometry, _block_copier(segment.pool), {}, OpStats(),
+                              on_shutdown=stop.on_shutdown)
+        service.info.update({"segment": segment.name, "segment_uuid": segment.uuid,
+                             "daemon_pid": os.getpid(), "name": paths.name})
         if journal is not None:
             service.journal_state = "ok"
         listener = _bind(paths.socket_path)
@@ -292,8 +307,7 @@ def _new_pool(config: DaemonConfig, segment: Segment, journal: Journal | None) -
     return BlockPool(num_blocks, policy, segment.generations, observer=journal)
 
 
-def _create_segment(config: DaemonConfig, journal: Journal | None) -> Segment:
-    paths = config.paths
+def _remove_stale_segment(paths: DaemonPaths) -> None:
     stale = SHM_DIR + paths.segment_name
     # Ours, we hold the lock, so no live daemon uses it; another uid's file or a symlink there
     # is refused rather than followed or (as root) deleted.
@@ -301,6 +315,11 @@ def _create_segment(config: DaemonConfig, journal: Journal | None) -> Segment:
         log.warning("removing stale segment %s left by a daemon that crashed or stopped "
                     "with --keep (kvd start --recover keeps it)", paths.segment_name)
         os.unlink(stale)
+
+
+def _create_segment(config: DaemonConfig, journal: Journal | None) -> Segment:
+    paths = config.paths
+    _remove_stale_segment(paths)
     segment = Segment.create(paths.segment_name, config.geometry)
     if journal is None and Path(config.journal_dir) == state_dir_of(paths.name):
         # A journal there describes a segment that is gone (say, kept by stop --keep and
@@ -308,6 +327,39 @@ def _create_segment(config: DaemonConfig, journal: Journal | None) -> Segment:
         # the name's own default: the lock held covers nothing else.)
         remove_journal(config.journal_dir)
     return segment
+
+
+def _open_pools(config: DaemonConfig, stop: Stop, undo: ExitStack) -> tuple[Segment, Service]:
+    """A layout-2 segment for the configured pools, their arena and the Service over them
+    (no journal yet: several pools always start clean)."""
+    specs = list(config.pools)
+    arena = Arena(config.budget_nbytes, [spec.block_nbytes for spec in specs])
+    _remove_stale_segment(config.paths)
+    segment = Segment.create_pools(config.paths.segment_name,
+                                   [(spec.name, spec.shape) for spec in specs],
+                                   arena.slab_nbytes, arena.num_slabs)
+    undo.callback(_release_segment, segment, stop)
+    service: Service | None = None
+    for number, spec in enumerate(specs):
+        pool = arena.add_pool(number, make_policy(config.policy, arena.num_ids(number),
+                                                  tiers=config.tiers),
+                              segment.generations_of(spec.name))
+        geometry = segment.pools[spec.name].geometry
+        copy_block = _slab_copier(segment.slabs_of(spec.name), pool.blocks_per_slab)
+        if service is None:
+            service = Service(pool, geometry, copy_block, {}, OpStats(),
+                              on_shutdown=stop.on_shutdown, pool_name=spec.name)
+        else:
+            service.add_pool(spec.name, pool, geometry, copy_block)
+    if service is None:
+        raise BadArgsError("no pool configured")
+    return segment, service
+
+
+def _slab_copier(slabs: np.ndarray, blocks_per_slab: int) -> Callable[[int, int], None]:
+    def copy_block(src: int, dst: int) -> None:
+        slabs[divmod(dst, blocks_per_slab)] = slabs[divmod(src, blocks_per_slab)]
+    return copy_block
 
 
 def _reset_journal(journal: Journal, segment: Segment) -> None:

@@ -60,7 +60,7 @@ from kvd.runtime import state_dir as state_dir_of
 from kvd.segment import Segment
 from kvd.server.journal import Journal, failpoint, remove_journal, set_aside_files
 from kvd.server.metrics import OpStats, serve_metrics
-from kvd.server.config import PoolSpec, check_pools
+from kvd.server.config import ModelSpec, PoolSpec, check_models, check_pools
 from kvd.server.recovery import attach_recoverable, restore, stamp
 from kvd.server.service import Service
 
@@ -80,6 +80,7 @@ class DaemonConfig:
         journal: keep the crash-recovery journal (off: faster seals, nothing survives).
         pools: several pools (kvd/server/config.py) sharing `budget_nbytes` through an arena
             (kvd/core/arena.py); empty: the one pool of `geometry`, named "default".
+        models: models whose sequences span several of the pools (kvd/server/config.py).
     """
 
     paths: DaemonPaths
@@ -92,6 +93,7 @@ class DaemonConfig:
     journal: bool = True
     pools: tuple[PoolSpec, ...] = ()
     budget_nbytes: int = 0
+    models: tuple[ModelSpec, ...] = ()
 
     def __post_init__(self) -> None:
         port = self.metrics_port
@@ -102,6 +104,7 @@ class DaemonConfig:
             if self.recover:
                 raise BadArgsError("--recover is not supported with several pools yet: start "
                                    "without --recover (the pools start clean)")
+        check_models(list(self.models), list(self.pools))
 
     @property
     def journal_dir(self) -> str:
@@ -353,6 +356,8 @@ def _open_pools(config: DaemonConfig, stop: Stop, undo: ExitStack) -> tuple[Segm
             service.add_pool(spec.name, pool, geometry, copy_block)
     if service is None:
         raise BadArgsError("no pool configured")
+    for model in config.models:
+        service.add_model(model.name, list(model.pools))
     return segment, service
 
 

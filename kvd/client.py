@@ -126,6 +126,7 @@ class ModelSequence:
     block_ids: dict[str, list[int]]  # pool name → its block table
     num_tokens: int
     num_cached_tokens: int = 0
+    num_sealed_blocks: int = 0
     is_closed: bool = field(default=False, repr=False)
     epoch: int = field(default=0, repr=False)
 
@@ -843,9 +844,11 @@ class Client:
         if max_cached_tokens is not None:
             args["max_cached_tokens"] = _int(max_cached_tokens, "max_cached_tokens")
         reply = self._call(f"seq_open@{model}", args)
+        pools = reply["pools"]
         return ModelSequence(reply["seq_id"], model,
-                             {name: each["block_ids"] for name, each in reply["pools"].items()},
+                             {name: each["block_ids"] for name, each in pools.items()},
                              reply["num_tokens"], reply["num_cached_tokens"],
+                             min(each["num_sealed_blocks"] for each in pools.values()),
                              epoch=self.num_reconnects)
 
     def extend_model_sequence(self, seq: ModelSequence, token_ids: Any,
@@ -863,6 +866,8 @@ class Client:
             table = seq.block_ids[name]
             table.extend(ids)
             self._mark_released(name, table, num_computed)
+            seq.num_sealed_blocks = max(seq.num_sealed_blocks,
+                                        num_computed // self._geometry_of(name).block_size)
         seq.num_tokens += len(data) // 4
         return new_ids
 
@@ -876,6 +881,7 @@ class Client:
                                                         "num_computed": num_computed})
         for name, table in seq.block_ids.items():
             self._mark_released(name, table, num_computed)
+        seq.num_sealed_blocks += min(sealed.values())
         return sealed
 
     def _mark_released(self, pool: str, table: list[int], num_computed: int) -> None:

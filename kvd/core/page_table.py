@@ -262,7 +262,9 @@ def open_spanning(tables: list[PageTable], seq_id: int, tokens: bytes, salt: byt
 def extend_spanning(tables: list[PageTable], records: list[SequenceRecord], tokens: bytes,
                     num_computed: int) -> list[list[int]]:
     """Allocate for `tokens` in every pool (NoSpaceError, nothing changed, without room), then
-    commit `num_computed` and append; returns each pool's new block ids."""
+    append them and commit `num_computed` (which may count appended tokens: a window pool then
+    releases what falls before the window of the token the engine computes next); returns
+    each pool's new block ids."""
     reserved: list[list[int]] = []
     try:
         for table, record in zip(tables, records):
@@ -272,8 +274,8 @@ def extend_spanning(tables: list[PageTable], records: list[SequenceRecord], toke
             table.unreserve(record, new_ids)
         raise
     for table, record in zip(tables, records):
-        table.commit(record, num_computed)
         record.tokens += tokens
+        table.commit(record, num_computed)
     return reserved
 
 

@@ -103,9 +103,10 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvd.errors import BadArgsError, KvdError, NoSpaceError
-from kvd.geometry import Geometry
+from kvd.geometry import Geometry, num_outside_window
 
 SUPPORTED_TRANSFORMERS = "5.24.0"
+HOLE = -1  # a block-table entry the daemon released: outside a window pool's window
 TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 if transformers.__version__ != SUPPORTED_TRANSFORMERS:
@@ -330,6 +331,9 @@ class _Row:
         self.num_prompt_tokens = len(token_ids)
         self.num_pads = num_pads  # columns of left padding before the row's token 0
         self.num_sent = len(token_ids)  # tokens the daemon's page table holds
+        self.windows = {} if kvd_model is None else {  # window pools → their windows
+            pool: client.pools[pool].window for pool in self.seq.block_ids
+            if client.pools[pool].window is not None}
 
     def table(self, pool: str | None = None) -> list[int]:
         """The block table (of `pool`, for a model's sequence: its first pool's by default)."""
@@ -355,17 +359,27 @@ class _Row:
                 f"the model was fed other tokens than the KvdCache was opened with (positions "
                 f"{start}..{start + len(known) - 1}): pass generate the same input_ids")
         self.token_ids.extend(token_ids[len(known):])
-        if start + len(token_ids) > self.capacity:
+        if start + len(token_ids) > self.capacity or self._leaves_window(start):
             self._send(len(self.token_ids), num_computed=start)
+
+    def _leaves_window(self, start: int) -> bool:
+        """Whether a block of a window pool is wholly before the window of token `start` but
+        not released yet (a round trip a block, which keeps the pool's blocks at the window's)."""
+        for pool, window in self.windows.items():
+            end = num_outside_window(start, window, self.block_size)
+            if end and self.table(pool)[end - 1] != HOLE:
+                return True
+        return False
 
     def _send(self, stop: int, num_computed: int) -> None:
         """Append tokens [num_sent, stop) to the daemon's sequence (blocks as they need; a
         window pool releases the blocks before the window of token `num_computed`)."""
-        # The daemon seals before it appends, so it can only count tokens it already holds.
+        # A sequence seals before it appends, so it can only count tokens it already holds; a
+        # model's appends first, so its window pool can release up to the token computed next.
         extend = (self.client.extend_sequence if self.kvd_model is None
                   else self.client.extend_model_sequence)
         extend(self.seq, self.token_ids[self.num_sent:stop],
-               num_computed=min(num_computed, self.num_sent))
+               num_computed=min(num_computed, self.num_sent if self.kvd_model is None else stop))
         self.num_sent = stop
 
     def slots(self, start: int, stop: int, flat: _FlatPool, pool: str | None = None

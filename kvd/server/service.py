@@ -472,7 +472,9 @@ class Service:
         records = self._model_records(model, session, args)
         tokens = self._tokens(args)
         num_tokens = records[0].num_tokens
-        num_computed = arg_int(args, "num_computed", 0, num_tokens, num_tokens)
+        # (up to the appended tokens: the engine is about to compute them, see extend_spanning)
+        num_computed = arg_int(args, "num_computed", 0, num_tokens + len(tokens) // 4,
+                               num_tokens)
         self._check_length(model[0], num_tokens + len(tokens) // 4)
         new_ids = extend_spanning([served.page_table for served in model], records, tokens,
                                   num_computed)

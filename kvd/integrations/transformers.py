@@ -339,8 +339,8 @@ class _Row:
         """The block table (of `pool`, for a model's sequence: its first pool's by default)."""
         tables = self.seq.block_ids
         if self.kvd_model is None:
-            return tables  # type: ignore[no-any-return]
-        return tables[next(iter(tables)) if pool is None else pool]  # type: ignore[no-any-return]
+            return tables
+        return tables[next(iter(tables)) if pool is None else pool]
 
     @property
     def num_cached(self) -> int:
@@ -577,9 +577,10 @@ class KvdCache(Cache):
         """
         if kvd_model is None:
             check_model_fits(model, client.geometry)
-            placement = [(None, list(range(client.geometry.num_layers)))]
+            placement: list[tuple[str | None, list[int]]] = [
+                (None, list(range(client.geometry.num_layers)))]
         else:
-            placement = model_pools(model, client, kvd_model)
+            placement = list(model_pools(model, client, kvd_model))
         prompt = _prompt_rows(token_ids, attention_mask)
         if kvd_model is not None and len(prompt) > 1:
             # (rows with different cached prefixes would read window blocks a row released)

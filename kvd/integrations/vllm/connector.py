@@ -15,9 +15,9 @@ that kvd lacks); `request_finished` releases the request's pins.
 Worker side, per step (vLLM calls start_load_kv before the forward of a step that loads, after
 the forward otherwise):
     start_load_kv        per load: look the hashes up again in the worker's own session (pins
-                         the blocks for the copy), copy every layer of the blocks found into
-                         vLLM's paged KV; blocks not found (evicted, daemon stopped or
-                         restarted clean) are load errors: vLLM recomputes from the first one
+                         the blocks for the copy); then per layer, one copy of every block
+                         found into vLLM's paged KV; blocks not found (evicted, daemon stopped
+                         or restarted clean) are load errors: vLLM recomputes from the first
     wait_for_layer_load  nothing: every layer was loaded (issued, on CUDA) in start_load_kv
     save_kv_layer        at the step's first layer, allocate kvd blocks for its saves; copy the
                          layer's K/V of the saved blocks into them (layer by layer, right after
@@ -50,7 +50,7 @@ from kvd.errors import BadArgsError, KvdError
 from kvd.geometry import Geometry
 from kvd.integrations.vllm.layout import HostPool, PagedLayer, backend_layout
 from kvd.integrations.vllm.link import DaemonLink, check_fits
-from kvd.integrations.vllm.plan import LoadSpec, Planner, SaveSpec, StepPlan
+from kvd.integrations.vllm.plan import Planner, SaveSpec, StepPlan
 from kvd.integrations.vllm.salt import checkpoint_salt, named_salt
 
 if TYPE_CHECKING:
@@ -188,24 +188,27 @@ class _WorkerSide:
 
     # -- per step --
     def begin(self, plan: StepPlan) -> None:
-        """The step's loads (vLLM calls this before the forward when the step has any)."""
-        for spec in plan.loads:
-            self._load(spec)
-
-    def _load(self, spec: LoadSpec) -> None:
-        found = self.link.lookup(spec.hashes)
-        block_ids = found[0]
-        host = self._host_pool() if block_ids else None  # after the lookup: its segment
-        if host is not None:
-            self._load_pins.append(found)
-            targets = torch.tensor(spec.block_ids[:len(block_ids)], device=self._device)
+        """The step's loads (vLLM calls this before the forward when the step has any): a
+        lookup per request, then one copy per layer for all the blocks found."""
+        found = [(spec, *self.link.lookup(spec.hashes)) for spec in plan.loads]
+        host = self._host_pool() if any(block_ids for _, block_ids, _ in found) else None
+        session = self.link.session()  # the session (and segment) `host` maps
+        sources: list[int] = []  # kvd's blocks
+        targets: list[int] = []  # vLLM's
+        for spec, block_ids, looked_up_in in found:
+            if block_ids and host is not None and looked_up_in == session:
+                self._load_pins.append((block_ids, looked_up_in))
+                sources += block_ids
+                targets += spec.block_ids[:len(block_ids)]
+            else:  # nothing found, or found in a session that died since
+                block_ids = []
+            if len(block_ids) < len(spec.block_ids):
+                self._load_errors.update(spec.block_ids[len(block_ids):])
+                self._step_failed_loads = True
+        if host is not None and sources:
+            target_ids = torch.tensor(targets, device=self._device)
             for index, layer in self.layers.values():
-                layer.scatter(targets, host.read(block_ids, index))
-        else:
-            block_ids = []
-        if len(block_ids) < len(spec.block_ids):
-            self._load_errors.update(spec.block_ids[len(block_ids):])
-            self._step_failed_loads = True
+                layer.scatter(target_ids, host.read(sources, index))
 
     def save_layer(self, plan: StepPlan, layer_name: str) -> None:
         """Copy one layer of the step's saved blocks (allocated at the step's first layer)."""

@@ -17,7 +17,6 @@ engine (block size, layers, heads, head size, dtype) is a configuration error.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -35,15 +34,10 @@ _logged: dict[str | None, set[str]] = {}
 
 
 def connect(name: str | None, pool: str | None) -> kvd.Client:
-    """`kvd.connect` with the connector's timeouts, on `pool` where this kvd has pools."""
-    kwargs: dict[str, Any] = {"timeout_s": REPLY_TIMEOUT_S,
-                              "reconnect_timeout_s": RECONNECT_TIMEOUT_S}
-    if pool is not None:
-        if "pool" not in inspect.signature(kvd.connect).parameters:
-            raise BadArgsError(f"kv_connector_extra_config names pool {pool!r}, but this kvd "
-                               "serves one pool per daemon: leave `pool` out, or upgrade kvd")
-        kwargs["pool"] = pool
-    return kvd.connect(name, **kwargs)
+    """`kvd.connect` with the connector's timeouts, on `pool` (None: the daemon's only pool or
+    `default`)."""
+    return kvd.connect(name, pool=pool, timeout_s=REPLY_TIMEOUT_S,
+                       reconnect_timeout_s=RECONNECT_TIMEOUT_S)
 
 
 def check_fits(wanted: dict[str, Any], geometry: Geometry) -> None:

@@ -30,8 +30,8 @@ from typing import Any
 
 from kvd import native, protocol
 from kvd.errors import (
-    BadArgsError, DeniedError, InternalError, JournalError, NoSpaceError, NotFoundError, ProtocolError, UnknownOpError,
-    VersionError,
+    BadArgsError, DeniedError, InternalError, JournalError, NoSpaceError, NotFoundError, ProtocolError, TooLargeError,
+    UnknownOpError, VersionError,
 )
 from kvd.geometry import Geometry
 from kvd.hashing import HASH_VERSION
@@ -54,6 +54,30 @@ MAX_SALT_NBYTES = 256
 DEBUG_ENV = "KVD_DEBUG"
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one session, and all of them together, may hold: far above any honest workload,
+    low enough that no client takes the daemon's memory (`kvd start --max-*`; the flag of each
+    is its name with dashes). A request past a limit gets TOO_LARGE naming it and its flag.
+
+    Pins count what a session's sequences hold in the pool and page table (~200 bytes each): a
+    forked sequence's shared sealed head counts once (kvd/core/page_table.py), raw pins by
+    `lookup`/`pin` are not counted (they are bounded by the pool: one entry per block).
+    """
+
+    max_sequences: int = 1 << 16  # open sequences per session
+    max_forks: int = 1 << 14  # open sequences per session made by seq_fork
+    max_pins: int = 1 << 20  # block pins held by a session's sequences
+    max_output_nbytes: int = 16 << 20  # replies one connection leaves unread
+    max_total_output_nbytes: int = 256 << 20  # replies all connections together leave unread
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if type(value) is not int or value <= 0:
+                raise BadArgsError(f"--{name.replace('_', '-')} must be a positive int, "
+                                   f"got {value!r}")
+
+
 @dataclass
 class Session:
     session_id: int
@@ -61,6 +85,8 @@ class Session:
     uid: int
     is_ready: bool = False  # said hello
     seq_ids: set[int] = field(default_factory=set)
+    fork_ids: set[int] = field(default_factory=set)  # those of seq_ids made by seq_fork
+    num_pins: int = 0  # held by its sequences (Limits.max_pins)
 
 
 class Service:
@@ -69,13 +95,16 @@ class Service:
     def __init__(self, pool: BlockPool, geometry: Geometry,
                  copy_block: Callable[[int, int], None], info: dict[str, Any],
                  ops: OpStats | None = None,
-                 on_shutdown: Callable[[bool], None] | None = None) -> None:
+                 on_shutdown: Callable[[bool], None] | None = None,
+                 limits: Limits = Limits()) -> None:
         """Args:
             copy_block: copies one block's bytes to another (fork of unsealed blocks).
             info: facts `hello` returns besides geometry (segment name, uuid, daemon pid, ...).
             ops: per-op request and error counts to report in `stats` (the daemon's).
             on_shutdown: stops the daemon (`keep`: keep segment and journal); None refuses.
+            limits: what each session may hold.
         """
+        self.limits = limits
         self._on_shutdown = on_shutdown
         self.ops = ops or OpStats()
         # Set while the journal cannot be written: writes fail closed with this reason.
@@ -131,15 +160,44 @@ class Service:
         self.counters["sessions_opened"] += 1
         return session
 
-    def close_session(self, session: Session) -> None:
-        """Release everything the session holds; safe to call twice."""
+    def close_session(self, session: Session) -> int:
+        """Queue the release of everything the session holds (`release_deferred` does it a
+        bounded step at a time, so a big session's close stalls nobody); returns the pins
+        queued. Safe to call twice."""
         if self.sessions.pop(session.session_id, None) is None:
-            return
+            return 0
+        page_table = self.page_table
+        num_queued = page_table.num_deferred
         for seq_id in sorted(session.seq_ids, reverse=True):
-            self.page_table.close(self.page_table.sequences[seq_id])
+            page_table.close(page_table.sequences[seq_id], is_deferred=True)
         session.seq_ids.clear()
-        self.pool.release_owner(session.session_id)
+        held = self.pool.holdings(session.session_id)
+        # Highest id released first approximates "tail first" for chains allocated in one batch.
+        page_table.defer_release([b for b in sorted(held) for _ in range(held[b])],
+                                 session.session_id)
         self.counters["sessions_closed"] += 1
+        return page_table.num_deferred - num_queued
+
+    def release_deferred(self, max_pins: int) -> bool:
+        """Release up to `max_pins` pins of closed sessions; whether any are left."""
+        self.page_table.release_deferred(max_pins)
+        return self.page_table.num_deferred > 0
+
+    def _with_room(self, call: Callable[[], Any]) -> Any:
+        """`call()` (all or nothing on NoSpaceError), once more after releasing what closed
+        sessions still pin if it found no room."""
+        try:
+            return call()
+        except NoSpaceError:
+            if not self._release_closed():
+                raise
+            return call()
+
+    def _release_closed(self) -> bool:
+        """Release every pin closed sessions still hold; whether there was any."""
+        num_deferred = self.page_table.num_deferred
+        self.page_table.release_deferred(num_deferred)
+        return num_deferred > 0
 
     def handle(self, session: Session, op: str, args: dict[str, Any]) -> Any:
         """Run one request. Raises a KvdError for the error reply (UNKNOWN_OP, BAD_ARGS, ...)."""
@@ -176,6 +234,8 @@ class Service:
 
     def _alloc(self, num_blocks: int, owner: int) -> list[int]:
         block_ids = self.pool.allocate(num_blocks, owner)
+        if block_ids is None and self._release_closed():
+            block_ids = self.pool.allocate(num_blocks, owner)
         if block_ids is None:
             raise NoSpaceError(self.page_table._no_space(num_blocks))
         return block_ids
@@ -232,10 +292,16 @@ class Service:
         if seq_ids != set(self.page_table.sequences):
             raise InternalError(f"open sequences {sorted(self.page_table.sequences)} != those of "
                                 f"live sessions {sorted(seq_ids)}: a session leaked a sequence")
-        stray = set(self.pool.owners()) - seq_ids - set(self.sessions)
+        stray = (set(self.pool.owners()) - seq_ids - set(self.sessions)
+                 - self.page_table.owners())
         if stray:
-            raise InternalError(f"pool owners {sorted(stray)} are neither live sessions nor "
-                                "their sequences: a closed session's pins were not released")
+            raise InternalError(f"pool owners {sorted(stray)} are neither live sessions, their "
+                                "sequences nor queued releases: a closed session's pins were "
+                                "not released")
+        num_pins = sum(s.num_pins for s in self.sessions.values())
+        if num_pins != self.page_table.num_pins:
+            raise InternalError(f"sessions count {num_pins} sequence pins, the page table "
+                                f"{self.page_table.num_pins}")
 
     # ---- sequences -----------------------------------------------------------------------
     def _sequence(self, session: Session, args: dict[str, Any]) -> SequenceRecord:
@@ -263,9 +329,31 @@ class Service:
         salt = arg_bytes(args, "salt", MAX_SALT_NBYTES, b"")
         max_cached = arg_int(args, "max_cached_tokens", 0, default=None)
         self._check_length(len(tokens) // 4)
-        record, num_cached = self.page_table.open(tokens, salt, max_cached)
+        self._check_limit(session, len(session.seq_ids) + 1, "max_sequences", "open sequences")
+        self._check_pins(session, -(-len(tokens) // 4 // self.geometry.block_size))
+        record, num_cached = self._counting_pins(session, lambda: self.page_table.open(
+            tokens, salt, max_cached))
         session.seq_ids.add(record.seq_id)
         return self._describe(record, num_cached_tokens=num_cached)
+
+    def _check_limit(self, session: Session, num: int, name: str, what: str) -> None:
+        limit = getattr(self.limits, name)
+        if num > limit:
+            raise TooLargeError(f"this session would hold {num} {what}, above the daemon's "
+                                f"limit of {limit} (kvd start --{name.replace('_', '-')})")
+
+    def _check_pins(self, session: Session, num_new: int) -> None:
+        self._check_limit(session, session.num_pins + num_new, "max_pins",
+                          "block pins in its sequences")
+
+    def _counting_pins(self, session: Session, call: Callable[[], Any]) -> Any:
+        """`call()` (a page table op), its change of the sequences' pins charged to
+        `session`."""
+        num_pins = self.page_table.num_pins
+        try:
+            return self._with_room(call)
+        finally:
+            session.num_pins += self.page_table.num_pins - num_pins
 
     def _seq_extend(self, session: Session, args: dict[str, Any]) -> list[int]:
         self._check_writable()
@@ -273,8 +361,12 @@ class Service:
         record = self._sequence(session, args)
         tokens = self._tokens(args)
         num_computed = arg_int(args, "num_computed", 0, record.num_tokens, record.num_tokens)
-        self._check_length(record.num_tokens + len(tokens) // 4)
-        return self.page_table.extend(record, tokens, num_computed)
+        num_tokens = record.num_tokens + len(tokens) // 4
+        self._check_length(num_tokens)
+        self._check_pins(session, -(-num_tokens // self.geometry.block_size)
+                         - len(record.own_block_ids) - record.num_run_blocks)
+        return self._counting_pins(
+            session, lambda: self.page_table.extend(record, tokens, num_computed))
 
     def _check_length(self, num_tokens: int) -> None:
         block_size = self.geometry.block_size
@@ -293,15 +385,21 @@ class Service:
     def _seq_fork(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         self._check_writable()
         check_no_extra(args, ("seq_id",))
-        child = self.page_table.fork(self._sequence(session, args))
+        record = self._sequence(session, args)
+        self._check_limit(session, len(session.seq_ids) + 1, "max_sequences", "open sequences")
+        self._check_limit(session, len(session.fork_ids) + 1, "max_forks", "forked sequences")
+        self._check_pins(session, len(record.own_block_ids) - len(record.own_hashes))
+        child = self._counting_pins(session, lambda: self.page_table.fork(record))
         session.seq_ids.add(child.seq_id)
+        session.fork_ids.add(child.seq_id)
         return self._describe(child)
 
     def _seq_close(self, session: Session, args: dict[str, Any]) -> None:
         check_no_extra(args, ("seq_id",))
         record = self._sequence(session, args)
         session.seq_ids.discard(record.seq_id)
-        self.page_table.close(record)
+        session.fork_ids.discard(record.seq_id)
+        self._counting_pins(session, lambda: self.page_table.close(record))
 
     def _seq_info(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         check_no_extra(args, ("seq_id",))

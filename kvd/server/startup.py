@@ -59,7 +59,7 @@ from kvd.segment import Segment
 from kvd.server.journal import Journal, failpoint, remove_journal
 from kvd.server.metrics import OpStats, serve_metrics
 from kvd.server.recovery import attach_recoverable, bump_free_generations, stamp
-from kvd.server.service import Service
+from kvd.server.service import Limits, Service
 
 log = logging.getLogger("kvd")
 
@@ -75,6 +75,7 @@ class DaemonConfig:
         state_dir: where the journal lives (None: runtime.state_dir(name)).
         recover: re-attach the segment and journal a previous daemon left, if they match.
         journal: keep the crash-recovery journal (off: faster seals, nothing survives).
+        limits: what each session, and all together, may hold (`--max-*`).
     """
 
     paths: DaemonPaths
@@ -85,6 +86,7 @@ class DaemonConfig:
     state_dir: str | None = None
     recover: bool = False
     journal: bool = True
+    limits: Limits = Limits()
 
     def __post_init__(self) -> None:
         port = self.metrics_port
@@ -208,7 +210,7 @@ def start(config: DaemonConfig) -> Started:
         info = {"segment": segment.name, "segment_uuid": segment.uuid,
                 "daemon_pid": os.getpid(), "name": paths.name}
         service = Service(pool, config.geometry, _block_copier(segment.pool), info, OpStats(),
-                          on_shutdown=stop.on_shutdown)
+                          on_shutdown=stop.on_shutdown, limits=config.limits)
         if journal is not None:
             service.journal_state = "ok"
         listener = _bind(paths.socket_path)

@@ -217,7 +217,7 @@ def start(config: DaemonConfig) -> Started:
         undo.callback(_release_listener, listener, paths.socket_path)
         _write_pidfile(paths.pid_path)
         if config.metrics_port is not None:
-            service.info["metrics_port"] = _serve_metrics(config.metrics_port, service)
+            service.info["metrics_port"] = _serve_metrics(config.metrics_port, service, undo)
     except BaseException:
         undo.close()
         raise
@@ -376,11 +376,14 @@ def _install_signals(stop: Stop, undo: ExitStack) -> socket.socket:
     return wakeup
 
 
-def _serve_metrics(port: int, service: Service) -> int:
-    """Serve metrics on 127.0.0.1:`port`; returns the port bound (`port`, or the kernel's pick
-    for 0)."""
+def _serve_metrics(port: int, service: Service, undo: ExitStack) -> int:
+    """Serve metrics on 127.0.0.1:`port` until `undo`; returns the port bound (`port`, or the
+    kernel's pick for 0)."""
     try:
-        bound = serve_metrics(port, service.stats, service.ops)
+        server = serve_metrics(port, service.stats, service.ops)
+        undo.callback(server.server_close)
+        undo.callback(server.shutdown)
+        bound = int(server.server_address[1])
     except OSError as exc:
         error = InUseError if exc.errno == errno.EADDRINUSE else KvdError
         raise error(f"cannot serve metrics on 127.0.0.1:{port}: {exc.strerror or exc}") from None

@@ -277,7 +277,7 @@ class Server:
         requests = connection.decoder.requests(chunk)  # the usual chunk, decoded in C
         if requests is not None:  # (and the usual one request without a comprehension's frame)
             replies = ([self._reply(session, requests[0])] if len(requests) == 1 else
-                       [self._reply(session, request) for request in requests])
+                       self._replies(connection, requests, True))
         else:
             try:
                 bodies = connection.decoder.feed(chunk)
@@ -286,7 +286,9 @@ class Server:
                 _send_quietly(connection.sock, bytes(connection.output) + encode_error(None, exc))
                 self._close(connection, f"framing error: {exc}")
                 return
-            replies = [self._reply(session, None, body) for body in bodies]
+            replies = self._replies(connection, bodies, False)
+        if not replies:
+            return  # (no whole frame yet, or the connection was closed)
         if self.journal is not None and self.journal.num_seals_pending:
             connection.pending += replies  # held for this iteration's commit
             self._replied.add(connection)
@@ -306,6 +308,24 @@ class Server:
         if sent != len(data):
             connection.output += data[sent:]
             self._flush(connection)
+
+    def _replies(self, connection: Connection, items: list[Any], is_decoded: bool
+                 ) -> list[tuple[int | None, bytes, bool]]:
+        """The replies to a chunk's requests (decoded, or frame bodies), handled in turn while
+        they fit --max-output-nbytes: a chunk that asks more than that (pipelined forks of a
+        long sequence, say) is not read as it comes, so it is cut before the daemon builds
+        more of it (closed; returns [])."""
+        session, limit = connection.session, self._limits.max_output_nbytes
+        replies, nbytes = [], 0
+        for item in items:
+            reply = self._reply(session, item) if is_decoded else self._reply(session, None, item)
+            replies.append(reply)
+            nbytes += len(reply[1])
+            if nbytes > limit:
+                self._close(connection, f"one read asked {nbytes} bytes of replies and more "
+                            "(kvd start --max-output-nbytes): client not reading")
+                return []
+        return replies
 
     def _reply(self, session: Session, request: tuple[int, str, dict[str, Any]] | None,
                body: bytes = b"") -> tuple[int | None, bytes, bool]:

@@ -34,9 +34,9 @@ it has not said hello within HELLO_TIMEOUT_S of its accept (a silent connection 
 hold a session and an fd forever). Connections wait for their hello in accept order, all with
 the same timeout, so the loop checks only the oldest ones: nothing per request. Closing queues
 the release of the session's pins and unsealed blocks (Service.close_session), and each
-iteration releases at most RELEASE_STEP_PINS of them, so closing a session that holds millions
-of pins stalls the other clients for a step's ~0.2 ms at a time, not for the whole release
-(`python -m bench.hostile` measures it). Every other bad request gets
+iteration releases at most RELEASE_STEP_PINS of them, so closing a session that holds a million
+pins stalls the other clients for a step's fraction of a millisecond at a time, not for the
+whole release (`python -m bench.hostile` measures it). Every other bad request gets
 an error reply and the session goes on; an unexpected exception in a handler is logged and
 answered INTERNAL — no client can take the daemon down. A kvd bug that escapes the loop itself
 ends it like a crash, keeping segment and journal for --recover.
@@ -67,9 +67,10 @@ from kvd.server.startup import Started
 log = logging.getLogger("kvd")
 
 RECV_NBYTES = 256 * 1024
-# Pins released per iteration for closed sessions: 4,096 take ~0.2 ms (65,536 took 3 ms in
-# the C pool), so a teardown adds at most that to any client's round trip.
-RELEASE_STEP_PINS = 4096
+# Pins released per iteration for closed sessions: 1,024 take 0.06 ms (C pool) to 0.2 ms (pure
+# Python) at the median, so a teardown adds about that to a client's round trip, where a
+# million pins at once stalled every client for tens of ms (`python -m bench.hostile`).
+RELEASE_STEP_PINS = 1024
 ACCEPT_RETRY_S = 1.0  # out of fds: how long the listener rests before the loop tries again
 HELLO_TIMEOUT_S = 10.0  # a connection that has not said hello by then is closed
 _PEERCRED = struct.Struct("3i")

@@ -161,7 +161,7 @@ class KvdCollector:
 
 
 RENDER_TTL_S = 1.0  # one rendering serves the scrapes of this long
-MIN_REPLY_INTERVAL_S = 0.02  # at most 50 responses a second, all scrapers together
+MIN_REPLY_INTERVAL_S = 0.1  # at most 10 responses a second, all scrapers together
 MAX_CONNECTIONS = 8  # served at once; more are closed at accept
 TIMEOUT_S = 5.0  # per socket operation of a connection (a stalled peer is dropped)
 

@@ -329,22 +329,21 @@ class Service:
         salt = arg_bytes(args, "salt", MAX_SALT_NBYTES, b"")
         max_cached = arg_int(args, "max_cached_tokens", 0, default=None)
         self._check_length(len(tokens) // 4)
-        self._check_limit(session, len(session.seq_ids) + 1, "max_sequences", "open sequences")
+        self._check_limit(len(session.seq_ids) + 1, "max_sequences", "open sequences")
         self._check_pins(session, -(-len(tokens) // 4 // self.geometry.block_size))
         record, num_cached = self._counting_pins(session, lambda: self.page_table.open(
             tokens, salt, max_cached))
         session.seq_ids.add(record.seq_id)
         return self._describe(record, num_cached_tokens=num_cached)
 
-    def _check_limit(self, session: Session, num: int, name: str, what: str) -> None:
+    def _check_limit(self, num: int, name: str, what: str) -> None:
         limit = getattr(self.limits, name)
         if num > limit:
             raise TooLargeError(f"this session would hold {num} {what}, above the daemon's "
                                 f"limit of {limit} (kvd start --{name.replace('_', '-')})")
 
     def _check_pins(self, session: Session, num_new: int) -> None:
-        self._check_limit(session, session.num_pins + num_new, "max_pins",
-                          "block pins in its sequences")
+        self._check_limit(session.num_pins + num_new, "max_pins", "block pins in its sequences")
 
     def _counting_pins(self, session: Session, call: Callable[[], Any]) -> Any:
         """`call()` (a page table op), its change of the sequences' pins charged to
@@ -386,8 +385,8 @@ class Service:
         self._check_writable()
         check_no_extra(args, ("seq_id",))
         record = self._sequence(session, args)
-        self._check_limit(session, len(session.seq_ids) + 1, "max_sequences", "open sequences")
-        self._check_limit(session, len(session.fork_ids) + 1, "max_forks", "forked sequences")
+        self._check_limit(len(session.seq_ids) + 1, "max_sequences", "open sequences")
+        self._check_limit(len(session.fork_ids) + 1, "max_forks", "forked sequences")
         self._check_pins(session, len(record.own_block_ids) - len(record.own_hashes))
         child = self._counting_pins(session, lambda: self.page_table.fork(record))
         session.seq_ids.add(child.seq_id)

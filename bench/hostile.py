@@ -24,6 +24,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -305,8 +306,6 @@ def free_port() -> int:
 
 def run_bench(quick: bool, out: Path) -> str:
     num_tokens = 16_384 if quick else 262_144
-    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvd-hostile-{os.getpid()}"
-    tmp.mkdir(exist_ok=True)
     results: dict[str, Any] = {}
     progress("hostile: fork lever")
     results["fork_lever"] = fork_lever(num_tokens, 30 if quick else 300)
@@ -316,7 +315,9 @@ def run_bench(quick: bool, out: Path) -> str:
     results["unread_replies"] = unread_replies(10 if quick else 100, num_tokens // 4,
                                                20 if quick else 100)
     progress("hostile: metrics scraping")
-    results["metrics"] = metrics_scraping(0.5 if quick else 2.0, 2 if quick else 5, tmp)
+    with tempfile.TemporaryDirectory(prefix="kvd-hostile-") as tmp:
+        results["metrics"] = metrics_scraping(0.5 if quick else 2.0, 2 if quick else 5,
+                                              Path(tmp))
     progress("hostile: stalled HTTP")
     results["stalled_http"] = stalled_http(100 if quick else 1000)
     return report(out, "hostile", results, markdown)

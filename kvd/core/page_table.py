@@ -25,16 +25,17 @@ sequence's own tail (tokens, ids and hashes it may still change, pinned under it
 moves the parent's own sealed blocks into a new run on top of its chain (each block moves at most
 once: pin under the run, release from the parent) and gives parent and child that run; the child
 copies only the unsealed tail. So a fork costs O(unsealed blocks + blocks sealed since the last
-fork), and its memory is its tail: 300 forks of a 65,536-block sequence no longer hold 300 copies
-of its tokens, ids, hashes and pins (4.5 MiB and 69 ms each before). A run counts its referrers
-(sequences and runs on top of it) and is released when the last one goes, after them, so the
-chain is released tail first. Commits seal own blocks only: a run's blocks are sealed already.
+fork), and its memory is its tail, where a copy of the table would cost ~70 bytes per block in
+tokens, ids, hashes and pins: a 24-byte request must not buy megabytes of the daemon's memory
+(`python -m bench.hostile` measures 300 forks of a 262,144-token sequence). A run counts its
+referrers (sequences and runs on top of it) and is released when the last one goes, after them,
+so the chain is released tail first. Commits seal own blocks only: a run's are sealed already.
 
 Deferred release: closing a whole session (`close(..., is_deferred=True)`, `defer_release`) only
 queues its pins, with the sequences' hashes; `release_deferred(n)` drops up to n of them per call,
-tail first, and frees as many hashes (freeing a million bytes objects at once took 30 ms), so the
-loop spreads a big teardown over its iterations instead of stalling every client for it. A queued pin
-still pins: an allocation that finds no room drains the queue first (the service does).
+tail first, and frees as many hashes (a million bytes objects take tens of ms to free), so the
+loop spreads a big teardown over its iterations instead of stalling every client for it. A queued
+pin still pins: an allocation that finds no room drains the queue first (the service does).
 
 Token ids are kept as little-endian uint32 bytes, the encoding `hash_blocks` hashes, so sealing a
 block hashes a slice without converting anything.

@@ -30,8 +30,8 @@ from typing import Any
 
 from kvd import native, protocol
 from kvd.errors import (
-    BadArgsError, DeniedError, InternalError, JournalError, NoSpaceError, NotFoundError, ProtocolError, TooLargeError,
-    UnknownOpError, VersionError,
+    BadArgsError, DeniedError, InternalError, JournalError, NoSpaceError, NotFoundError,
+    ProtocolError, TooLargeError, UnknownOpError, VersionError,
 )
 from kvd.geometry import Geometry
 from kvd.hashing import HASH_VERSION

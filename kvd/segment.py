@@ -23,11 +23,13 @@ Layout (all integers little-endian; the segment never leaves the host)::
              │  96  generations off  u64  = 4096                            │
              │ 104  pool offset      u64                                    │
              │ 112  total nbytes     u64  = file size                       │
-             │ 120  zero up to 4096                                         │
+             │ 120  zero up to 4088                                         │
+             │4088  acknowledged seals u64  the journal's seal counter as   │
+             │                              of its last commit (recovery)   │
        4096 ├──────────────────────────────────────────────────────────────┤
-             │ generations: uint64[num_blocks], all at a random base per    │
-             │ create; the daemon bumps block i's counter each time it goes │
-             │ back to FREE                                                 │
+             │ generations: uint64[num_blocks], each at its own random base │
+             │ per create; the daemon bumps block i's counter each time it  │
+             │ goes back to FREE                                            │
   pool off  ├── aligned up to 4096 ─────────────────────────────────────────┤
              │ pool: (num_blocks, num_layers, 2, block_size, num_kv_heads,  │
              │        head_dim) of the storage dtype (bfloat16 as uint16)   │
@@ -38,9 +40,17 @@ Creation reserves every page with `posix_fallocate` after checking `statvfs`: tm
 with SIGBUS; reserving up front turns that into a NoSpaceError at start. The magic is written
 last, so a daemon that dies half-way through `create` leaves a segment `attach` refuses.
 
-Generations start at a random base (below 2**63, so they never wrap) rather than at 0: a reader
+Generations start at a random base (below 2**62, so they never wrap) rather than at 0: a reader
 holding a block id and its generation from a replaced segment (a clean restart under the same
-name) would otherwise see the same counter again on a block that now holds something else.
+name) would otherwise see the same counter again on a block that now holds something else. The
+base is drawn per block, not once per segment: a journal record (kvd/server/journal.py) whose
+block id was damaged then names a block whose counter it cannot match, where with one shared base
+every block that had been freed as often as the record's own matched it.
+
+The acknowledged-seals counter at the end of the header is the daemon's: it writes the journal's
+seal counter there after each commit and before the replies it holds (a store to shared memory),
+so that a recovery knows how many seals were acknowledged and can say so when the journal it
+reads ends sooner (kvd/server/recovery.py). A fresh segment has 0 there.
 
 Views are `np.frombuffer` over the mmap, never copies. While any view lives the mmap cannot be
 closed (BufferError), which is what keeps a reader off unmapped memory; `close` turns that into an
@@ -87,6 +97,9 @@ DTYPE_CODES = {"float16": 1, "float32": 2, "bfloat16": 3}  # 0 stays invalid: a 
 _DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 
 _HEADER = struct.Struct("<8sII16s16s5QI4xQQQ")
+_ACKNOWLEDGED_SEALS = struct.Struct("<Q")
+ACKNOWLEDGED_SEALS_OFFSET = HEADER_NBYTES - _ACKNOWLEDGED_SEALS.size  # the header's last 8 bytes
+GENERATION_BASE_LIMIT = 1 << 62  # per-block random bases below it: 2**62 bumps before 2**63
 _NAME_RE = re.compile(r"/kvd[A-Za-z0-9._-]{0,250}")
 
 
@@ -234,7 +247,10 @@ class Segment:
             self._generations_offset, self._pool_offset, self._nbytes,
         )
         generations = self.generations
-        generations[:] = secrets.randbits(31) << 32  # see "Generations start at a random base"
+        # (module docstring: "Generations start at a random base"), from a generator seeded by
+        # the OS: a million bases in milliseconds, where os.urandom's would take tens.
+        rng = np.random.default_rng(secrets.randbits(128))
+        generations[:] = rng.integers(0, GENERATION_BASE_LIMIT, generations.size, np.uint64)
         del generations
         # The magic goes in last: a header without it is refused by `attach`.
         mapping[len(MAGIC):_HEADER.size] = header[len(MAGIC):]
@@ -277,6 +293,23 @@ class Segment:
                                f"got {block_id}")
         offset = self._pool_offset + int(block_id) * self._block_nbytes
         return self._array(offset, self._dtype, self._block_shape, readonly)
+
+    @property
+    def acknowledged_seals(self) -> int:
+        """The journal's seal counter as of its last commit (module docstring); 0 when fresh."""
+        if self._mmap is None:
+            raise InUseError(f"segment {self._name} is closed: attach it again")
+        return int(_ACKNOWLEDGED_SEALS.unpack_from(self._mmap, ACKNOWLEDGED_SEALS_OFFSET)[0])
+
+    @acknowledged_seals.setter
+    def acknowledged_seals(self, value: int) -> None:
+        self.set_acknowledged_seals(value)
+
+    def set_acknowledged_seals(self, value: int) -> None:
+        """The daemon's, after each journal commit (kvd/server/journal.py's `on_commit`)."""
+        if self._mmap is None:
+            raise InUseError(f"segment {self._name} is closed: attach it again")
+        _ACKNOWLEDGED_SEALS.pack_into(self._mmap, ACKNOWLEDGED_SEALS_OFFSET, value)
 
     # --- identity --------------------------------------------------------------------------
 

@@ -28,7 +28,8 @@ What a release keeps is `Stop.keep`. A plain stop and a failed start remove segm
 Both stay as they were, for the next --recover, after `kvd stop --keep`, after a kvd bug escaped
 the loop, after a --recover start that failed once it had re-attached the crashed daemon's
 segment (a bad flag must not cost the cache), and after a --recover refused because the journal's
-stamp could not be read (what could not be read is never deleted).
+stamp could not be read (what could not be read is never deleted). A damaged journal a start gets
+past is copied aside first (kvd/server/recovery.py).
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ from kvd.geometry import Geometry
 from kvd.runtime import SHM_DIR, DaemonPaths, check_ours
 from kvd.runtime import state_dir as state_dir_of
 from kvd.segment import Segment
-from kvd.server.journal import Journal, failpoint, remove_journal
+from kvd.server.journal import Journal, failpoint, remove_journal, set_aside_files
 from kvd.server.metrics import OpStats, serve_metrics
-from kvd.server.recovery import attach_recoverable, bump_free_generations, stamp
+from kvd.server.recovery import attach_recoverable, restore, stamp
 from kvd.server.service import Limits, Service
 
 log = logging.getLogger("kvd")
@@ -204,7 +205,7 @@ def start(config: DaemonConfig) -> Started:
         undo.callback(_unlink_quietly, paths.pid_path)
         journal = None
         if config.journal:
-            journal = Journal(config.journal_dir)
+            journal = _open_journal(config)
             undo.callback(_release_journal, journal, stop)
         segment, pool, num_restored = _open_pool(config, journal, stop, undo)
         info = {"segment": segment.name, "segment_uuid": segment.uuid,
@@ -237,6 +238,8 @@ def _open_pool(config: DaemonConfig, journal: Journal | None, stop: Stop,
             return recovered
     segment = _create_segment(config, journal)
     undo.callback(_release_segment, segment, stop)
+    if journal is not None:
+        _reset_journal(journal, segment)
     return segment, _new_pool(config, segment, journal), 0
 
 
@@ -254,23 +257,35 @@ def _recover(config: DaemonConfig, journal: Journal | None, stop: Stop,
         raise
     if recovered is None:
         return None
-    segment, rows = recovered
+    segment, loaded = recovered
     # From here a failed start leaves the crashed daemon's segment and journal as it found them,
     # for the next --recover: a bad flag must not cost the cache.
     stop.keep = True
     pool = _new_pool(config, segment, journal)
+    journal.on_commit = segment.set_acknowledged_seals
     failpoint("during-recovery")
     try:
-        num_restored = pool.restore(rows)
-    except BadArgsError as exc:  # a journal the pool cannot take: never map it
-        log.warning("recovery: %s; starting clean", exc)
+        num_restored = restore(pool, segment, journal, loaded)
+    except BadArgsError as exc:  # a journal the pool cannot take: never map it, nor delete it
+        log.warning("recovery: %s; it is kept as %s; starting clean", exc, journal.set_aside())
         stop.keep = False  # (the old mapping goes with the pool)
         return None
-    bump_free_generations(pool, segment.generations)
-    log.info("recovered segment %s: %d of %d journaled blocks restored from %s",
-             segment.name, num_restored, len(rows.block_ids), journal.path)
     undo.callback(_release_segment, segment, stop)
     return segment, pool, num_restored
+
+
+def _open_journal(config: DaemonConfig) -> Journal:
+    """The journal. One SQLite cannot open (a damaged file) is a refusal for --recover, which
+    keeps it; a plain start forgets its blocks anyway, so it sets the files aside and goes on."""
+    try:
+        return Journal(config.journal_dir)
+    except JournalError as exc:
+        if config.recover:
+            raise JournalError(f"{exc}: move {config.journal_dir} aside, or start without "
+                               "--recover (which keeps a copy)") from None
+        aside = set_aside_files(config.journal_dir)
+        log.warning("%s; it is kept as %s; starting with a new journal", exc, aside)
+        return Journal(config.journal_dir)
 
 
 def _new_pool(config: DaemonConfig, segment: Segment, journal: Journal | None) -> BlockPool:
@@ -289,14 +304,22 @@ def _create_segment(config: DaemonConfig, journal: Journal | None) -> Segment:
                     "with --keep (kvd start --recover keeps it)", paths.segment_name)
         os.unlink(stale)
     segment = Segment.create(paths.segment_name, config.geometry)
-    if journal is not None:
-        journal.reset(stamp(segment))
-    elif Path(config.journal_dir) == state_dir_of(paths.name):
+    if journal is None and Path(config.journal_dir) == state_dir_of(paths.name):
         # A journal there describes a segment that is gone (say, kept by stop --keep and
         # then started clean with --no-journal): nothing would ever remove it. (Only under
         # the name's own default: the lock held covers nothing else.)
         remove_journal(config.journal_dir)
     return segment
+
+
+def _reset_journal(journal: Journal, segment: Segment) -> None:
+    """Start the journal over for a new segment."""
+    try:
+        journal.reset(stamp(segment))
+    except JournalError as exc:  # a damaged file SQLite opened but cannot write
+        log.warning("%s; it is kept as %s; starting with a new journal", exc, journal.set_aside())
+        journal.reset(stamp(segment))
+    journal.on_commit = segment.set_acknowledged_seals
 
 
 def _block_copier(blocks: np.ndarray) -> Callable[[int, int], None]:

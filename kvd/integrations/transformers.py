@@ -36,7 +36,14 @@ Contract
 Theory of operation
 -------------------
 A `KvdCache` over a batch of b rows is b kvd sequences, one per row, for a decoder-only model
-whose layers are all full attention (Llama, Mistral, Qwen2, ...)::
+whose layers are all full attention (Llama, Mistral, Qwen2, ...), or over one row of a hybrid
+model (Gemma 2: sliding-window and full-attention layers) with `kvd_model=`, a daemon model
+whose pool without a window holds the full-attention layers and whose window pool the sliding
+ones: the row is then one sequence spanning both (one block table each). A sliding layer returns
+the K/V of the `window - 1` columns before the forward's and of its own, and the mask sizes that
+say so, as DynamicSlidingWindowLayer does; the row tells the daemon its tokens whenever a window
+block falls wholly before the window of the token computed next (a round trip a block), and the
+window pool releases it, so decode holds at most ceil(W / B) + 1 window blocks::
 
     KvdCache(client, model, ids)     open_sequence(row's real tokens) per row: one round trip
                                      hashes the row's full blocks, pins its longest cached prefix

@@ -105,6 +105,9 @@ def _model_table(path: Path, name: Any, values: Any) -> ModelSpec:
 def check_models(models: list[ModelSpec], pools: list[PoolSpec]) -> list[ModelSpec]:
     """Models over configured pools: distinct names, none a pool's (OP@NAME names either), each
     pool once, at least one, all of one block size (one hash chain serves them all)."""
+    if models and not pools:
+        raise BadArgsError("a model spans pools: configure them with --pool NAME:... or "
+                           "[pools.NAME] in --config")
     shapes = {spec.name: spec.shape for spec in pools}
     seen: set[str] = set()
     for model in models:

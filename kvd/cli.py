@@ -76,6 +76,11 @@ def _add_start(subparsers: Any) -> None:
     parser.add_argument("--recover", action="store_true",
                         help="re-attach the segment and journal a crashed daemon left")
     parser.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics on 127.0.0.1")
+    parser.add_argument("--remote", metavar="URL",
+                        help="remote tier (docs/remote.md): redis://HOST:PORT[/DB] or "
+                             "redis-cluster://HOST:PORT[,HOST:PORT...]")
+    parser.add_argument("--remote-timeout-ms", type=int,
+                        help="how long a lookup waits for the remote tier (default 100)")
     parser.add_argument("--detach", action="store_true", help="daemonise (log to the runtime dir)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -103,7 +108,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     _raise_fd_limit()
     config = DaemonConfig(paths, geometry, args.policy, tiers=args.tiers,
                           metrics_port=args.metrics_port, state_dir=args.state_dir,
-                          recover=args.recover, journal=not args.no_journal)
+                          recover=args.recover, journal=not args.no_journal,
+                          remote=args.remote, **_remote_timeout(args))
     if args.detach:
         return _detach(config, args.log_level)
     _setup_logging(args.log_level, sys.stderr)
@@ -111,6 +117,15 @@ def cmd_start(args: argparse.Namespace) -> int:
     print(_ready_line(server.started), flush=True)
     server.serve_forever()
     return 0
+
+
+def _remote_timeout(args: argparse.Namespace) -> dict[str, int]:
+    """--remote-timeout-ms if given (DaemonConfig has the default)."""
+    if args.remote_timeout_ms is None:
+        return {}
+    if args.remote is None:
+        raise BadArgsError("--remote-timeout-ms needs --remote")
+    return {"remote_timeout_ms": args.remote_timeout_ms}
 
 
 def _check_policy(flag: str, name: str) -> None:

@@ -88,6 +88,8 @@ class Service:
         self.page_table = PageTable(pool, geometry.block_size, lambda: next(self._ids), copy_block)
         self.sessions: dict[int, Session] = {}
         self.started_at = time.time()
+        self.remote: Any = None  # the remote tier (kvd/server/remote), if --remote
+        self.imported: frozenset[int] = frozenset()  # blocks it imported for the request running
         self.counters = {"sessions_opened": 0, "sessions_closed": 0, "journal_commits": 0,
                          "journal_failures": 0}
         # The hot ops: (schema, whether it writes, handler of the schema's values then the
@@ -205,6 +207,7 @@ class Service:
             "native": native.status(),  # which compiled modules run (kvd/native.py)
             "metrics_port": self.info.get("metrics_port"),  # None: no --metrics-port
             **self._tier_stats(),
+            **({"remote": self.remote.stats()} if self.remote is not None else {}),
         }
 
     def _tier_stats(self) -> dict[str, Any]:
@@ -258,14 +261,24 @@ class Service:
 
     def _seq_open(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         self._check_writable()
-        check_no_extra(args, ("tokens", "salt", "max_cached_tokens"))
-        tokens = self._tokens(args)
-        salt = arg_bytes(args, "salt", MAX_SALT_NBYTES, b"")
-        max_cached = arg_int(args, "max_cached_tokens", 0, default=None)
+        tokens, salt, max_cached = self._open_args(args)
         self._check_length(len(tokens) // 4)
         record, num_cached = self.page_table.open(tokens, salt, max_cached)
         session.seq_ids.add(record.seq_id)
-        return self._describe(record, num_cached_tokens=num_cached)
+        # Remote hits: blocks the remote tier imported for this request (kvd/server/remote).
+        num_remote = (len(self.imported.intersection(record.block_ids))
+                      * self.geometry.block_size if self.imported else 0)
+        return self._describe(record, num_cached_tokens=num_cached, num_remote_tokens=num_remote)
+
+    def _open_args(self, args: dict[str, Any]) -> tuple[bytes, bytes, int | None]:
+        check_no_extra(args, ("tokens", "salt", "max_cached_tokens"))
+        return (self._tokens(args), arg_bytes(args, "salt", MAX_SALT_NBYTES, b""),
+                arg_int(args, "max_cached_tokens", 0, default=None))
+
+    def open_hashes(self, args: dict[str, Any]) -> list[bytes]:
+        """The hashes a seq_open of `args` looks up (the remote tier's probe); raises as
+        seq_open would for bad args."""
+        return self.page_table.cacheable_hashes(*self._open_args(args))
 
     def _seq_extend(self, session: Session, args: dict[str, Any]) -> list[int]:
         self._check_writable()

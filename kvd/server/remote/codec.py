@@ -56,7 +56,7 @@ from kvd.hashing import HASH_VERSION
 
 FORMAT_VERSION = 1
 MAGIC = b"KVDB"
-HEADER = struct.Struct("<4sBBBx8sQI4x")
+HEADER = struct.Struct("<4sBBBB8sQII")  # (the two reserved fields are 0: checked)
 MAX_HASH_NBYTES = 64
 SCHEMES = ("redis", "redis-cluster")
 DEFAULT_PORT = 6379
@@ -134,8 +134,8 @@ class BlockCodec:
         value = bytearray(head_nbytes + self.block_nbytes)
         payload = memoryview(value)[head_nbytes:]
         payload[:] = block.data.cast("B")
-        HEADER.pack_into(value, 0, MAGIC, FORMAT_VERSION, HASH_VERSION, len(block_hash),
-                         self.geometry_digest, self.block_nbytes, zlib.crc32(payload))
+        HEADER.pack_into(value, 0, MAGIC, FORMAT_VERSION, HASH_VERSION, len(block_hash), 0,
+                         self.geometry_digest, self.block_nbytes, zlib.crc32(payload), 0)
         value[HEADER.size:head_nbytes] = block_hash
         return value
 
@@ -144,10 +144,12 @@ class BlockCodec:
         head_nbytes = HEADER.size + len(block_hash)
         if len(value) != head_nbytes + self.block_nbytes:
             return None
-        magic, version, hash_version, hash_nbytes, digest, nbytes, crc = HEADER.unpack_from(value)
+        (magic, version, hash_version, hash_nbytes, reserved, digest, nbytes, crc,
+         reserved2) = HEADER.unpack_from(value)
         payload = memoryview(value)[head_nbytes:]
         if (magic != MAGIC or version != FORMAT_VERSION or hash_version != HASH_VERSION
-                or hash_nbytes != len(block_hash) or digest != self.geometry_digest
+                or hash_nbytes != len(block_hash) or reserved or reserved2
+                or digest != self.geometry_digest
                 or nbytes != self.block_nbytes or value[HEADER.size:head_nbytes] != block_hash
                 or zlib.crc32(payload) != crc):
             return None

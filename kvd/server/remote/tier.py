@@ -27,7 +27,7 @@ the parts to each master), then checks values head first (kvd/server/remote/code
 the consecutive ones that pass: a prefix is useful only up to its first gap. A value that fails
 a check is counted (`corrupt`), deleted, and ends the prefix like a miss.
 
-Health: `state` is "up" or "down". Any Redis or socket error marks the tier down (a gauge, an
+Health: `state` is "connecting" (at start: fetches are tried), "up" or "down". Any Redis or socket error marks the tier down (a gauge, an
 error counter and `last_error` say why); while down, fetches are declined, writes wait in the
 queue (dropping the oldest once full), and the write thread probes with PING every RETRY_S
 until one succeeds: the tier resumes by itself after a restart, a failover or a slow spell.
@@ -89,7 +89,7 @@ class RemoteTier:
         self.codec = codec
         self.timeout_s = timeout_ms / 1000
         self.max_queued = max_queued
-        self.state = "down"  # until the first command succeeds
+        self.state = "connecting"  # until the first command succeeds or fails
         self.last_error: str | None = None
         self.counters = dict.fromkeys((*LOOP_COUNTERS, *WRITE_COUNTERS, *FETCH_COUNTERS), 0)
         self.is_importing = False  # the loop is sealing fetched blocks: nothing to write back
@@ -111,6 +111,7 @@ class RemoteTier:
     def start(self, blocks: np.ndarray, generations: np.ndarray) -> None:
         """Serve the segment's blocks (`blocks`: uint8 [num_blocks, block_nbytes])."""
         self.blocks, self._generations = blocks, generations
+        import redis  # noqa: F401 (here, not in the fetch thread: its import takes 0.1-0.3 s)
         for name, target in (("kvd-remote-write", self._write_loop),
                              ("kvd-remote-fetch", self._fetch_loop)):
             thread = threading.Thread(target=target, name=name, daemon=True)
@@ -157,7 +158,7 @@ class RemoteTier:
         docstring): the caller answers from what is local."""
         started = self._fetch_started
         now = time.monotonic()
-        if (self.state != "up" or len(self._fetches) >= MAX_WAITING_FETCHES
+        if (self.state == "down" or len(self._fetches) >= MAX_WAITING_FETCHES
                 or (started is not None and now - started > self.timeout_s)):
             self.counters["declined"] += 1
             return None

@@ -263,6 +263,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"  geometry: {g['num_blocks']} blocks × (layers {g['num_layers']}, 2, block_size "
           f"{g['block_size']}, kv_heads {g['num_kv_heads']}, head_dim {g['head_dim']}) "
           f"{g['dtype']}")
+    if "remote" in stats:
+        print(f"  remote: {_remote_summary(stats['remote'])}")
     if not os.path.exists(SHM_DIR + stats["segment"]):
         print(f"  segment {stats['segment']} is MISSING (deleted under the running daemon): "
               "no client can attach; `kvd stop` it and start again")
@@ -298,6 +300,7 @@ def format_stats(stats: dict[str, Any]) -> str:
          f"{stats['sessions']} / {stats['sessions_opened']} / {stats['sessions_closed']}"),
         ("sequences open", stats["sequences"]), ("policy", stats["policy"]),
         *_tier_rows(stats),
+        *_remote_rows(stats),
         ("uptime", f"{stats['uptime_s']:.1f} s"),
         ("requests", ", ".join(f"{op} {n}" for op, n in sorted(stats["requests"].items()))),
         ("errors", ", ".join(f"{code} {n}" for code, n in sorted(stats["errors"].items()))
@@ -308,6 +311,35 @@ def format_stats(stats: dict[str, Any]) -> str:
     ]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _remote_summary(remote: dict[str, Any]) -> str:
+    error = f", last error: {remote['last_error']}" if remote["last_error"] else ""
+    return (f"{remote['url']} {remote['state']}, {remote['queue_depth']} of "
+            f"{remote['queue_capacity']} writes queued{error}")
+
+
+def _remote_rows(stats: dict[str, Any]) -> list[tuple[str, Any]]:
+    """With --remote: the tier's state, queue, hits and errors (kvd_remote_* in metrics)."""
+    remote = stats.get("remote")
+    if remote is None:
+        return []
+    hit_blocks = remote["hit_blocks"]
+    return [
+        ("remote tier", _remote_summary(remote)),
+        ("remote hit blocks (of prefix hits)", f"{hit_blocks} of {stats['hit_blocks']} "
+                                               f"(local {stats['hit_blocks'] - hit_blocks})"),
+        ("remote fetches / declined / timeouts",
+         f"{remote['fetches']} / {remote['declined']} / {remote['timeouts']}"),
+        ("remote blocks fetched / missed / corrupt",
+         f"{remote['fetched']} / {remote['missed']} / {remote['corrupt']}"),
+        ("remote blocks written / dropped / stale",
+         f"{remote['written']} / {remote['dropped']} / {remote['stale']}"),
+        ("remote bytes written / fetched",
+         f"{remote['written_bytes']} / {remote['fetched_bytes']}"),
+        ("remote errors (fetch / write blocks)",
+         f"{remote['fetch_errors']} / {remote['write_errors']}"),
+    ]
 
 
 def _tier_rows(stats: dict[str, Any]) -> list[tuple[str, Any]]:

@@ -115,7 +115,8 @@ class RedisClusterNodes:
     def __init__(self, directory: Path) -> None:
         self.nodes = [RedisServer(directory / f"node{i}", None, "--cluster-enabled", "yes",
                                   "--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS),
-                                  "--cluster-config-file", "nodes.conf")
+                                  "--cluster-config-file", "nodes.conf",
+                                  "--repl-diskless-sync-delay", "0")
                       for i in range(6)]
 
     @property
@@ -133,12 +134,16 @@ class RedisClusterNodes:
         return self
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
-        """Until every live node says cluster_state:ok and the slots have 3 masters."""
+        """Until every live node says cluster_state:ok, the slots have 3 masters and every
+        replica has synced (a replica that has not cannot be failed over to)."""
         deadline = time.monotonic() + timeout_s
         while True:
             live = [n for n in self.nodes if n.proc is not None]
             states = [n.cli("CLUSTER", "INFO") for n in live]
-            if all("cluster_state:ok" in s for s in states) and len(self.masters()) == 3:
+            replication = [n.cli("INFO", "replication") for n in live]
+            if (all("cluster_state:ok" in s for s in states) and len(self.masters()) == 3
+                    and all("master_link_status:up" in r for r in replication
+                            if "role:slave" in r)):
                 return
             if time.monotonic() > deadline:
                 raise AssertionError(f"cluster not ok in {timeout_s} s: {states}")

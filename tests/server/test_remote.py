@@ -4,6 +4,7 @@ restarted empty, evicting), each asserting zero failed client requests and zero 
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from kvd.hashing import hash_blocks
 from kvd.server.remote import BlockCodec, RemoteTier, parse_url
 from kvd.server.remote.codec import HEADER, geometry_digest
 from redis_servers import RedisServer, free_port, redis_server  # noqa: F401 (a fixture)
+from test_cli import kvd_cli
+from test_metrics import scrape
 
 pytestmark = pytest.mark.integration
 BLOCK = SMALL_GEOMETRY["block_size"]
@@ -173,7 +176,7 @@ def test_a_block_evicted_during_the_copy_is_not_written(redis_empty):
 # ---- acceptance: two hosts --------------------------------------------------------------------
 def test_a_prompt_prefilled_on_one_host_is_a_hit_on_another(daemon_factory, redis_empty):
     host_a = remote_daemon(daemon_factory, redis_empty.url)
-    host_b = remote_daemon(daemon_factory, redis_empty.url)
+    host_b = remote_daemon(daemon_factory, redis_empty.url, metrics_port=0)
     with host_a.connect() as a, host_b.connect() as b:
         prefill(a, tag=1, num_blocks=6)
         wait_written(a, 6)
@@ -196,6 +199,14 @@ def test_a_prompt_prefilled_on_one_host_is_a_hit_on_another(daemon_factory, redi
         assert remote_stats(b)["hit_blocks"] == 9
         # B's imported blocks are not written back
         assert remote_stats(b)["written"] == 0
+        # the operator's view: metrics, kvd stats, kvd status
+        metrics = scrape(b.stats()["metrics_port"])
+        assert metrics[("kvd_remote_hit_blocks_total", ())] == 9
+        assert metrics[("kvd_remote_up", ())] == 1
+        assert metrics[("kvd_remote_state", (("state", "up"),))] == 1
+        text = kvd_cli("stats", "--name", host_b.name).stdout
+        assert re.search(r"remote hit blocks \(of prefix hits\) +9 of", text), text
+        assert f"remote: {redis_empty.url}/0 up" in kvd_cli("status", "--name", host_b.name).stdout
 
 
 def test_corrupt_values_are_misses_deleted_and_counted(daemon_factory, redis_empty):

@@ -27,7 +27,9 @@ the parts to each master), then checks values head first (kvd/server/remote/code
 the consecutive ones that pass: a prefix is useful only up to its first gap. A value that fails
 a check is counted (`corrupt`), deleted, and ends the prefix like a miss.
 
-Health: `state` is "connecting" (at start: fetches are tried), "up" or "down". Any Redis or socket error marks the tier down (a gauge, an
+Health: `state` is "connecting" (at start: fetches are tried), "up" or "down"; `stats()`
+reports "stalled" while a call has been in flight longer than the fetch deadline (a slow
+server, or redis-py riding out a cluster failover: fetches are declined meanwhile). Any Redis or socket error marks the tier down (a gauge, an
 error counter and `last_error` say why); while down, fetches are declined, writes wait in the
 queue (dropping the oldest once full), and the write thread probes with PING every RETRY_S
 until one succeeds: the tier resumes by itself after a restart, a failover or a slow spell.
@@ -99,6 +101,7 @@ class RemoteTier:
         self._wake_writer = threading.Event()
         self._wake_fetcher = threading.Event()
         self._fetch_started: float | None = None  # monotonic start of the MGET in flight
+        self._write_started: float | None = None  # and of the pipeline in flight
         self._stopping = False
         self._threads: list[threading.Thread] = []
         self._done_r, self._done_w = socket.socketpair()
@@ -185,10 +188,18 @@ class RemoteTier:
         return len(self._writes)
 
     def stats(self) -> dict[str, Any]:
-        return {"url": str(self.url), "state": self.state, "last_error": self.last_error,
+        return {"url": str(self.url), "state": self.health(), "last_error": self.last_error,
                 "queue_depth": len(self._writes), "queue_capacity": self.max_queued,
                 "fetches_waiting": len(self._fetches), "timeout_ms": round(self.timeout_s * 1e3),
                 "key_prefix": self.codec.prefix, **self.counters}
+
+    def health(self) -> str:
+        """`state`, or "stalled" while a call is in flight past the deadline."""
+        now = time.monotonic()
+        for started in (self._fetch_started, self._write_started):
+            if started is not None and now - started > self.timeout_s and self.state != "down":
+                return "stalled"
+        return self.state
 
     # ---- health (either thread) ------------------------------------------------------------
     def _failed(self, what: str, exc: BaseException) -> None:
@@ -269,12 +280,15 @@ class RemoteTier:
             num_bytes += len(value)
         if not num_values:
             return
+        self._write_started = time.monotonic()
         try:
             pipe.execute()
         except Exception as exc:
             self.counters["write_errors"] += num_values
             self._failed("write", exc)
             return
+        finally:
+            self._write_started = None
         self.counters["written"] += num_values
         self.counters["written_bytes"] += num_bytes
         self._succeeded()

@@ -69,18 +69,23 @@ def keys_to_fetch(pool: BlockPool, op: str, args: Any, prefix_hashes: Any
     Args:
         prefix_hashes: PageTable.cacheable_hashes (seq_open's keys).
     """
+    index = pool.tables.index
     if op == "lookup":
         keys = args.get("hashes") if type(args) is dict else None
-        if type(keys) is not list or not keys or not all(type(k) is bytes for k in keys):
+        if type(keys) is not list or not keys:
+            return None
+        last = keys[-1]
+        if type(last) is bytes and last in index:  # the usual hit: all local, as far as a
+            return None  # prefix can tell (cached children have cached parents)
+        if not all(type(key) is bytes for key in keys):
             return None
     else:
         try:
             keys = prefix_hashes(args)
         except Exception:  # malformed: seq_open answers with the right error
             return None
-    index = pool.tables.index
-    if not keys or keys[-1] in index:  # all local, as far as a prefix can tell
-        return None
+        if not keys or keys[-1] in index:
+            return None
     num_local = 0
     for key in keys:
         if key not in index:

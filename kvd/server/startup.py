@@ -61,7 +61,8 @@ from kvd.segment import Segment
 from kvd.server.journal import Journal, failpoint, remove_journal
 from kvd.server.metrics import OpStats, serve_metrics
 from kvd.server.recovery import attach_recoverable, bump_free_generations, stamp
-from kvd.server.remote import DEFAULT_TIMEOUT_MS, BlockCodec, RemoteTier, SealTap, parse_url
+from kvd.server.remote import (DEFAULT_TIMEOUT_MS, BlockCodec, RemoteTier, SealTap, parse_url,
+                               require_redis)
 from kvd.server.service import Service
 
 log = logging.getLogger("kvd")
@@ -303,6 +304,7 @@ def _new_pool(config: DaemonConfig, segment: Segment, journal: Journal | None,
 def _remote_tier(config: DaemonConfig) -> RemoteTier | None:
     if config.remote is None:
         return None
+    require_redis()
     # (one pool today: its blocks are named after the pool `default`, docs/remote.md)
     return RemoteTier(parse_url(config.remote), BlockCodec("default", config.geometry),
                       config.remote_timeout_ms)

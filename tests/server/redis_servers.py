@@ -1,12 +1,13 @@
 """Real Redis servers for the remote tier's tests: one server, or a 3-master 3-replica cluster,
 on free loopback ports in temporary directories, removed afterwards.
 
-Tests that need them skip (with the command that installs it) where redis-server is missing;
-CI installs Debian's (.ci/run).
+Tests that need them skip (with the command that installs it) where redis-server is missing,
+unless KVD_REQUIRE_REDIS=1 (CI, which installs Debian's: .ci/run) makes that a failure.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -18,6 +19,14 @@ from pathlib import Path
 import pytest
 
 CLUSTER_NODE_TIMEOUT_MS = 1000  # how long a dead master takes to be failed over (plus election)
+
+
+def skip_without_redis() -> None:
+    missing = redis_missing()
+    if missing and os.environ.get("KVD_REQUIRE_REDIS") == "1":
+        pytest.fail(f"KVD_REQUIRE_REDIS=1 but {missing}")
+    if missing:
+        pytest.skip(missing)
 
 
 def redis_missing() -> str | None:
@@ -166,9 +175,7 @@ class RedisClusterNodes:
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[RedisServer]:
     """One redis-server for a test module (tests flush it as they need)."""
-    missing = redis_missing()
-    if missing:
-        pytest.skip(missing)
+    skip_without_redis()
     directory = Path(tempfile.mkdtemp(prefix="kvd-redis-"))
     server = RedisServer(directory)
     try:
@@ -181,9 +188,7 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[RedisClusterNodes]:
     """A 3-master 3-replica Redis Cluster for the whole run (a few seconds to form)."""
-    missing = redis_missing()
-    if missing:
-        pytest.skip(missing)
+    skip_without_redis()
     directory = Path(tempfile.mkdtemp(prefix="kvd-rcluster-"))
     cluster = RedisClusterNodes(directory)
     try:

@@ -104,6 +104,10 @@ def test_url_forms_and_typed_errors():
     assert parse_url("redis://h").db == 0 and parse_url("redis://h").nodes == (("h", 6379),)
     cluster = parse_url("redis-cluster://a:1,b:2")
     assert cluster.is_cluster and cluster.nodes == (("a", 1), ("b", 2))
+    secret = parse_url("redis-cluster://kvd:s%40cret@a:1,b:2")
+    assert (secret.username, secret.password, secret.nodes) == ("kvd", "s@cret", cluster.nodes)
+    assert "cret" not in str(secret) + repr(secret)
+    assert parse_url("redis://:pw@h:1/2").password == "pw"
     for bad in ("http://h:1", "redis://", "redis://a:1,b:2", "redis://h:1/x",
                 "redis-cluster://a:1/0", "redis://h:99999"):
         with pytest.raises(BadArgsError, match="redis"):

@@ -30,10 +30,11 @@ import numpy as np
 
 from kvd.core.pool import BlockPool
 from kvd.server.remote.codec import BlockCodec, RemoteURL, parse_url
-from kvd.server.remote.tier import DEFAULT_TIMEOUT_MS, FetchJob, RemoteTier
+from kvd.server.remote.tier import DEFAULT_TIMEOUT_MS, FetchJob, RemoteTier, require_redis
 
 __all__ = ["BlockCodec", "DEFAULT_TIMEOUT_MS", "FetchJob", "IMPORT_OWNER", "RemoteTier",
-           "RemoteURL", "SealTap", "import_fetched", "keys_to_fetch", "parse_url"]
+           "RemoteURL", "SealTap", "import_fetched", "keys_to_fetch", "parse_url",
+           "require_redis"]
 
 # The pool owner of blocks being imported; never a session's (those count up from 1), and it
 # holds nothing between two loop iterations.

@@ -7,7 +7,7 @@ Key of a sealed block (a Redis string key, ASCII)::
     kvd:{pool}:h{hash version}:g{geometry digest}:{block hash, hex}
     e.g. kvd:default:h1:g5c0fd3a1b2e94d07:8f3a...(32 hex digits)
 
-* pool: the pool's name (today the daemon's one pool, `default`): pools never meet.
+* pool: the pool's name (a daemon's one pool is `default`): pools never meet.
 * hash version: `kvd.hashing.HASH_VERSION`; a new hashing scheme never reads old blocks.
 * geometry digest: BLAKE2b-64 of the geometry without `num_blocks` (layers, block size, heads,
   head dim, dtype, and whatever a geometry gains later): two pools of one name but different
@@ -45,8 +45,8 @@ import hashlib
 import json
 import struct
 import zlib
-from dataclasses import dataclass
-from urllib.parse import urlsplit
+from dataclasses import dataclass, field
+from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
@@ -64,12 +64,15 @@ DEFAULT_PORT = 6379
 
 @dataclass(frozen=True)
 class RemoteURL:
-    """A parsed `--remote`: one server (`redis://HOST:PORT[/DB]`) or cluster seed nodes
-    (`redis-cluster://HOST:PORT[,HOST:PORT...]`)."""
+    """A parsed `--remote`: one server (`redis://[[USER]:PASSWORD@]HOST:PORT[/DB]`) or cluster
+    seed nodes (`redis-cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...]`). The password
+    never appears in `str()` (stats, logs)."""
 
     is_cluster: bool
     nodes: tuple[tuple[str, int], ...]
     db: int = 0
+    username: str | None = field(default=None, repr=False)
+    password: str | None = field(default=None, repr=False)
 
     def __str__(self) -> str:
         nodes = ",".join(f"{host}:{port}" for host, port in self.nodes)
@@ -86,17 +89,20 @@ def parse_url(text: str) -> RemoteURL:
     if scheme not in SCHEMES or not rest:
         raise BadArgsError(f"{usage}, got {text!r}")
     netloc, _, path = rest.partition("/")
+    credentials, _, netloc = netloc.rpartition("@")
+    user, _, secret = credentials.partition(":")
+    username, password = unquote(user) or None, unquote(secret) or None
     nodes = tuple(_node(item, usage) for item in netloc.split(","))
     if scheme == "redis-cluster":
         if path:
             raise BadArgsError(f"a Redis Cluster has no databases: drop /{path} ({usage})")
-        return RemoteURL(True, nodes)
+        return RemoteURL(True, nodes, 0, username, password)
     if len(nodes) != 1:
         raise BadArgsError(f"redis:// names one server; for several use redis-cluster:// "
                            f"({usage})")
     if path and not path.isdigit():
         raise BadArgsError(f"the database must be a number, got {path!r} ({usage})")
-    return RemoteURL(False, nodes, int(path or 0))
+    return RemoteURL(False, nodes, int(path or 0), username, password)
 
 
 def _node(text: str, usage: str) -> tuple[str, int]:

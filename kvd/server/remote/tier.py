@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from kvd.errors import BadArgsError
 from kvd.server.remote.codec import BlockCodec, RemoteURL
 
 log = logging.getLogger("kvd")
@@ -114,7 +115,6 @@ class RemoteTier:
     def start(self, blocks: np.ndarray, generations: np.ndarray) -> None:
         """Serve the segment's blocks (`blocks`: uint8 [num_blocks, block_nbytes])."""
         self.blocks, self._generations = blocks, generations
-        import redis  # noqa: F401 (here, not in the fetch thread: its import takes 0.1-0.3 s)
         for name, target in (("kvd-remote-write", self._write_loop),
                              ("kvd-remote-fetch", self._fetch_loop)):
             thread = threading.Thread(target=target, name=name, daemon=True)
@@ -216,18 +216,19 @@ class RemoteTier:
 
     def _connect(self) -> Any:
         import redis
-        timeout_s = self.io_timeout_s
-        if self.url.is_cluster:
+        url, timeout_s = self.url, self.io_timeout_s
+        if url.is_cluster:
             from redis.cluster import ClusterNode, RedisCluster
-            return RedisCluster(startup_nodes=[ClusterNode(host, port)
-                                               for host, port in self.url.nodes],
+            return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in url.nodes],
                                 require_full_coverage=False, socket_timeout=timeout_s,
-                                socket_connect_timeout=timeout_s)
+                                socket_connect_timeout=timeout_s, username=url.username,
+                                password=url.password)
         from redis.backoff import NoBackoff
         from redis.retry import Retry
-        host, port = self.url.nodes[0]
-        return redis.Redis(host=host, port=port, db=self.url.db, retry=Retry(NoBackoff(), 0),
-                           socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        host, port = url.nodes[0]
+        return redis.Redis(host=host, port=port, db=url.db, retry=Retry(NoBackoff(), 0),
+                           socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                           username=url.username, password=url.password)
 
     # ---- write-behind thread -------------------------------------------------------------
     def _write_loop(self) -> None:
@@ -360,6 +361,16 @@ class RemoteTier:
         counters["missed"] += len(keys) - len(payloads)
         self._succeeded()
         return payloads
+
+
+def require_redis() -> None:
+    """Import redis-py now (its import takes 0.1-0.3 s: not in the fetch thread's first
+    deadline); a typed error naming the fix where it is missing."""
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        raise BadArgsError("--remote needs redis-py: pip install 'kvd[remote]' "
+                           "(redis and hiredis)") from None
 
 
 def _close_client(client: Any) -> None:

@@ -305,7 +305,7 @@ def _remote_tier(config: DaemonConfig) -> RemoteTier | None:
     if config.remote is None:
         return None
     require_redis()
-    # (one pool today: its blocks are named after the pool `default`, docs/remote.md)
+    # (a daemon's one pool is `default`: its blocks are named after it, docs/remote.md)
     return RemoteTier(parse_url(config.remote), BlockCodec("default", config.geometry),
                       config.remote_timeout_ms)
 

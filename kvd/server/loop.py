@@ -58,11 +58,10 @@ import selectors
 import socket
 import struct
 import time
+from collections import deque
 from time import perf_counter
 from dataclasses import dataclass, field
 from typing import Any
-
-from collections import deque
 
 from kvd.errors import DeniedError, InternalError, JournalError, KvdError, ProtocolError
 from kvd.protocol import FrameDecoder, FrameEncoder, decode_request, encode_error

@@ -309,3 +309,21 @@ def test_redis_evicting_under_maxmemory(daemon_factory, redis_empty):
             assert not b.stats()["errors"] and remote_stats(b)["corrupt"] == 0
     finally:
         redis_empty.cli("CONFIG", "SET", "maxmemory", "0")
+
+
+def test_a_long_prefix_is_fetched_in_chunks_up_to_its_first_bad_value(daemon_factory,
+                                                                       redis_empty):
+    """More keys than one MGET takes (FETCH_CHUNK): every reply is read, the prefix stops at
+    the corrupt block, and the connection serves the next fetch."""
+    host_a = remote_daemon(daemon_factory, redis_empty.url, num_blocks=256)
+    host_b = remote_daemon(daemon_factory, redis_empty.url, num_blocks=256)
+    with host_a.connect() as a, host_b.connect() as b:
+        prefill(a, tag=11, num_blocks=70)
+        prefill(a, tag=12, num_blocks=70)
+        wait_written(a, 140)
+        key = remote_stats(a)["key_prefix"] + hash_blocks(prompt(11, 70), BLOCK)[40].hex()
+        redis_empty.cli("SETRANGE", key, "2", "X")  # the header's format version
+        assert open_and_check(b, tag=11, num_blocks=70).num_remote_tokens == 40 * BLOCK
+        assert open_and_check(b, tag=12, num_blocks=70).num_remote_tokens == 70 * BLOCK
+        stats = remote_stats(b)
+        assert stats["corrupt"] == 1 and stats["fetch_errors"] == 0

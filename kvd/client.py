@@ -201,7 +201,6 @@ class Client:
         """Connect, say hello, map the segment the daemon serves (keeping a mapping of it).
         Nobody else sends meanwhile: the constructor, or a reconnect under _send_lock."""
         self._decoder = FrameDecoder()
-        self._pending.clear()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
         try:
@@ -380,9 +379,10 @@ class Client:
             if is_reader:
                 self._read_until(reply)  # (returns with the reply done)
             elif wakeup is not None and not reply.is_done:
-                # A sleeper looks again at least every RECHECK_S: if a hand-over of the reading
-                # was lost (seen once in a dozen runs of tests/client/test_client_threads.py's
-                # restart test: two threads asleep, nobody reading), it takes the reading itself.
+                # A sleeper looks again at least every RECHECK_S and takes the reading itself if
+                # it is free, so a hand-over lost to a bug costs 50 ms, not a hang. (The one seen:
+                # a reconnect cleared the slots of threads asleep on the lost connection before
+                # its reader had failed them; reconnects now fail them under _mutex, waking them.)
                 if self.timeout_s is None:
                     wakeup.acquire(timeout=RECHECK_S)
                     continue
@@ -438,9 +438,11 @@ class Client:
             raise
         except DisconnectedError as exc:
             with mutex:
-                for pending in list(self._pending.values()):
-                    self._finish(pending, None, DisconnectedError(str(exc)))
-                self._pending.clear()
+                # Fail what was sent on this socket, unless a reconnect or close dropped it
+                # (and failed those already): the slots now in flight are the new session's,
+                # e.g. a reconnect's hello, sent while this reader still held the reading.
+                if sock is self._sock:
+                    self._fail_pending(str(exc))
                 self._stop_reading(sock)
             raise
         except BaseException as exc:  # a reply we cannot place: the stream is out of step
@@ -475,6 +477,13 @@ class Client:
             self._finish(pending, None, value)
         else:
             self._finish(pending, value, None)
+
+    def _fail_pending(self, reason: str) -> None:
+        """Fail every request in flight with DisconnectedError(reason). Under _mutex. Pops by a
+        copy of the ids: a sending thread adds its slot without _mutex, and a slot added meanwhile
+        must stay (its thread finds the connection's fate itself) rather than vanish unanswered."""
+        for request_id in list(self._pending):
+            self._finish(self._pending.pop(request_id), None, DisconnectedError(reason))
 
     @staticmethod
     def _finish(reply: _Reply, value: Any, error: BaseException | None) -> None:
@@ -530,6 +539,9 @@ class Client:
         delay_s = 0.02
         while True:
             with self._mutex:
+                # (Whatever is in flight was sent on the lost connection: a reader of it may not
+                # have seen it end yet, and must not fail the new session's hello in its stead.)
+                self._fail_pending(str(lost))
                 self._drop_socket()
             try:
                 self._open_session()
@@ -553,9 +565,7 @@ class Client:
         with self._mutex:
             if self._closed_because is None:
                 self._closed_because = reason
-            for pending in list(self._pending.values()):
-                self._finish(pending, None, self._closed_error())
-            self._pending.clear()
+            self._fail_pending(str(self._closed_error()))
             self._drop_socket()
 
     def _drop_socket(self) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 import kvd
 from bench.common import (ServerProcess, bench_main, digests, markdown_table, percentiles,
                           progress, report)
-from bench.data_plane import redis_missing
+from bench.data_plane import RedisServer, redis_missing
 
 FETCH_GEOMETRY = {"layers": 8, "kv_heads": 2, "head_dim": 64, "block_size": 16,
                   "dtype": "float16"}  # 64 KiB blocks
@@ -40,7 +40,7 @@ FETCH_BLOCKS = 256
 LOOKUP_BLOCKS = 16
 
 
-class TcpRedis(ServerProcess):
+class TcpRedis(RedisServer):
     """redis-server on a free loopback TCP port (the tier speaks TCP), no persistence."""
 
     def __init__(self) -> None:
@@ -51,25 +51,15 @@ class TcpRedis(ServerProcess):
             self.port = probe.getsockname()[1]
         directory = tempfile.mkdtemp(prefix="kvdr-", dir="/tmp")
         self.client = redis.Redis(port=self.port)
-        super().__init__(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                          "--save", "", "--appendonly", "no", "--dir", directory,
-                          "--enable-debug-command", "local"], directory, self._answers)
+        # (RedisServer's __init__ starts one on a Unix socket: its parent's, with a TCP port)
+        ServerProcess.__init__(self, ["redis-server", "--port", str(self.port), "--bind",
+                                      "127.0.0.1", "--save", "", "--appendonly", "no", "--dir",
+                                      directory, "--enable-debug-command", "local"],
+                               directory, self._answers)
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
-
-    def _answers(self) -> bool:
-        import redis
-
-        try:
-            return bool(self.client.ping())
-        except redis.exceptions.ConnectionError:
-            return False
-
-    def stop(self) -> None:
-        self.client.close()
-        super().stop()
 
 
 def _daemon(num_blocks: int, geometry: dict[str, Any], remote: str | None = None,

@@ -7,14 +7,16 @@ unless KVD_REQUIRE_REDIS=1 (CI, which installs Debian's: .ci/run) makes that a f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -172,27 +174,28 @@ class RedisClusterNodes:
             node.stop()
 
 
+@contextlib.contextmanager
+def started_in_temp_dir(make: Callable[[Path], Any], prefix: str) -> Iterator[Any]:
+    """`make(directory)`'s servers, started in a fresh temp dir; stopped and removed after."""
+    skip_without_redis()
+    directory = Path(tempfile.mkdtemp(prefix=prefix))
+    servers = make(directory)
+    try:
+        yield servers.start()
+    finally:
+        servers.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[RedisServer]:
     """One redis-server for a test module (tests flush it as they need)."""
-    skip_without_redis()
-    directory = Path(tempfile.mkdtemp(prefix="kvd-redis-"))
-    server = RedisServer(directory)
-    try:
-        yield server.start()
-    finally:
-        server.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+    with started_in_temp_dir(RedisServer, "kvd-redis-") as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[RedisClusterNodes]:
     """A 3-master 3-replica Redis Cluster for the whole run (a few seconds to form)."""
-    skip_without_redis()
-    directory = Path(tempfile.mkdtemp(prefix="kvd-rcluster-"))
-    cluster = RedisClusterNodes(directory)
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+    with started_in_temp_dir(RedisClusterNodes, "kvd-rcluster-") as cluster:
+        yield cluster

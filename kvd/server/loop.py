@@ -352,8 +352,10 @@ class Server:
                args: dict[str, Any]) -> bool:
         """Start a read-through for the request if it misses locally; whether it did."""
         service, tier = self.service, self._remote
+        if tier is None or service.write_error is not None:  # (imports are seals: refused)
+            return False
         keys = remote.keys_to_fetch(service.pool, op, args, service.open_hashes)
-        if keys is None or tier is None:
+        if keys is None:
             return False
         job = tier.fetch(keys[1])
         if job is None:
@@ -375,7 +377,8 @@ class Server:
         connection, request_id, op, args, local_keys = job.context
         pool = service.pool
         try:
-            imported = remote.import_fetched(pool, tier, job, local_keys)
+            imported = ([] if service.write_error is not None else
+                        remote.import_fetched(pool, tier, job, local_keys))
             if not job.is_answered:
                 service.imported = frozenset(imported)
                 self._answer(job, bool(imported))

@@ -225,6 +225,12 @@ def test_corrupt_values_are_misses_deleted_and_counted(daemon_factory, redis_emp
         assert seq.num_cached_tokens == 2 * BLOCK  # blocks 0 and 1; 2 failed its check
         assert remote_stats(b)["corrupt"] == 1
         assert redis_empty.cli("EXISTS", key) == "0"
+        # bad lookups are answered as without a tier, never fetched
+        fetches = remote_stats(b)["fetches"]
+        with pytest.raises(BadArgsError):
+            b.lookup([b"x" * 100])
+        assert b.stats()["errors"] == {"BAD_ARGS": 1}
+        assert remote_stats(b)["fetches"] == fetches
 
 
 # ---- faults -----------------------------------------------------------------------------------

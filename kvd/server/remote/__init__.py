@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvd.core.pool import BlockPool
-from kvd.server.remote.codec import BlockCodec, RemoteURL, parse_url
+from kvd.server.remote.codec import MAX_HASH_NBYTES, BlockCodec, RemoteURL, parse_url
 from kvd.server.remote.tier import DEFAULT_TIMEOUT_MS, FetchJob, RemoteTier, require_redis
 
 __all__ = ["BlockCodec", "DEFAULT_TIMEOUT_MS", "FetchJob", "IMPORT_OWNER", "RemoteTier",
@@ -78,8 +78,8 @@ def keys_to_fetch(pool: BlockPool, op: str, args: Any, prefix_hashes: Any
         last = keys[-1]
         if type(last) is bytes and last in index:  # the usual hit: all local, as far as a
             return None  # prefix can tell (cached children have cached parents)
-        if not all(type(key) is bytes for key in keys):
-            return None
+        if not all(type(key) is bytes and 0 < len(key) <= MAX_HASH_NBYTES for key in keys):
+            return None  # (the lookup answers BAD_ARGS)
     else:
         try:
             keys = prefix_hashes(args)

@@ -232,9 +232,9 @@ def markdown(results: dict[str, Any]) -> str:
     text += markdown_table(
         ["path", "MiB/s", "ms per fetch"],
         [["raw redis-py MGET (hiredis)", fetch["raw_mib_s"],
-          statistics.median(fetch["raw_mget_ms"])],
+          round(statistics.median(fetch["raw_mget_ms"]), 2)],
          ["kvd open_sequence, all remote hits", fetch["kvd_mib_s"],
-          statistics.median(fetch["kvd_open_ms"])],
+          round(statistics.median(fetch["kvd_open_ms"]), 2)],
          ["kvd / raw (goal >= 0.8)", fetch["ratio"], ""]])
     text += (f"\nLocal lookup of {lookups['lookup_blocks']} cached blocks, "
              f"{lookups['rounds'] * lookups['per_round']} per daemon, the daemons taking turns "
@@ -242,8 +242,8 @@ def markdown(results: dict[str, Any]) -> str:
     text += markdown_table(
         ["daemon", "tier state at the end", "blocks written / dropped", "p50 us", "p99 us",
          "p99 / no tier (goal <= 1.2)"],
-        [[label, row["state"], f"{row['written']} / {row['dropped']}", row["p50_us"],
-          row["p99_us"], row["p99_vs_no_tier"]]
+        [[label, row["state"], f"{row['written']} / {row['dropped']}", round(row["p50_us"], 1),
+          round(row["p99_us"], 1), row["p99_vs_no_tier"]]
          for label, row in lookups["daemons"].items()])
     return text
 

@@ -71,11 +71,13 @@ class PageTable:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def open(self, tokens: bytes, salt: bytes = b"", max_cached_tokens: int | None = None
-             ) -> tuple[SequenceRecord, int]:
-        """Open a sequence; returns it and the number of tokens whose KV is already cached."""
+    def open(self, tokens: bytes, salt: bytes = b"", max_cached_tokens: int | None = None,
+             hashes: list[bytes] | None = None) -> tuple[SequenceRecord, int]:
+        """Open a sequence; returns it and the number of tokens whose KV is already cached.
+        `hashes`: `cacheable_hashes` of the same arguments, if the caller has them."""
         num_tokens = len(tokens) // 4
-        hashes = self.cacheable_hashes(tokens, salt, max_cached_tokens)
+        if hashes is None:
+            hashes = self.cacheable_hashes(tokens, salt, max_cached_tokens)
         owner = self._new_owner()
         hit_ids = self.pool.lookup(hashes, owner)
         new_ids = self.pool.allocate(self._blocks_for(num_tokens) - len(hit_ids), owner)

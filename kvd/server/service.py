@@ -90,6 +90,9 @@ class Service:
         self.started_at = time.time()
         self.remote: Any = None  # the remote tier (kvd/server/remote), if --remote
         self.imported: frozenset[int] = frozenset()  # blocks it imported for the request running
+        # The remote tier's probe of a seq_open hashed its tokens: (tokens, salt, cap, hashes),
+        # so that the open that follows does not hash them again.
+        self._probed: tuple[bytes, bytes, int | None, list[bytes]] | None = None
         self.counters = {"sessions_opened": 0, "sessions_closed": 0, "journal_commits": 0,
                          "journal_failures": 0}
         # The hot ops: (schema, whether it writes, handler of the schema's values then the
@@ -263,7 +266,10 @@ class Service:
         self._check_writable()
         tokens, salt, max_cached = self._open_args(args)
         self._check_length(len(tokens) // 4)
-        record, num_cached = self.page_table.open(tokens, salt, max_cached)
+        probed, self._probed = self._probed, None
+        hashes = (probed[3] if probed is not None and probed[0] is tokens
+                  and probed[1:3] == (salt, max_cached) else None)
+        record, num_cached = self.page_table.open(tokens, salt, max_cached, hashes)
         session.seq_ids.add(record.seq_id)
         # Remote hits: blocks the remote tier imported for this request (kvd/server/remote).
         num_remote = (len(self.imported.intersection(record.block_ids))
@@ -278,7 +284,10 @@ class Service:
     def open_hashes(self, args: dict[str, Any]) -> list[bytes]:
         """The hashes a seq_open of `args` looks up (the remote tier's probe); raises as
         seq_open would for bad args."""
-        return self.page_table.cacheable_hashes(*self._open_args(args))
+        tokens, salt, max_cached = self._open_args(args)
+        hashes = self.page_table.cacheable_hashes(tokens, salt, max_cached)
+        self._probed = (tokens, salt, max_cached, hashes)
+        return hashes
 
     def _seq_extend(self, session: Session, args: dict[str, Any]) -> list[int]:
         self._check_writable()

@@ -333,3 +333,31 @@ def test_a_long_prefix_is_fetched_in_chunks_up_to_its_first_bad_value(daemon_fac
         assert open_and_check(b, tag=12, num_blocks=70).num_remote_tokens == 70 * BLOCK
         stats = remote_stats(b)
         assert stats["corrupt"] == 1 and stats["fetch_errors"] == 0
+
+
+def test_other_clients_are_served_while_a_fetch_waits(daemon_factory, redis_empty):
+    """A read-through stuck on a sleeping Redis defers only its own reply."""
+    host = remote_daemon(daemon_factory, redis_empty.url, remote_timeout_ms=3000)
+    with host.connect() as waiting, host.connect() as other:
+        prefill(other, tag=13, num_blocks=2)
+        sleeper = threading.Thread(target=redis_empty.cli, args=("DEBUG", "SLEEP", "2"))
+        sleeper.start()
+        time.sleep(0.1)
+        answered = threading.Event()
+
+        def open_missing() -> None:
+            open_and_check(waiting, tag=14, num_blocks=2)  # deferred until Redis wakes
+            answered.set()
+
+        opener = threading.Thread(target=open_missing)
+        opener.start()
+        wait_for(lambda: remote_stats(other)["fetches"] >= 2, "the fetch in flight")
+        for _ in range(20):  # served meanwhile: local hits, seals, stats
+            assert open_and_check(other, 13, 2, suffix=1).num_cached_tokens == 2 * BLOCK
+        block_ids = other.alloc(2)
+        other.seal(block_ids, [b"fresh-%d" % i for i in range(2)])
+        other.release(block_ids)
+        assert not answered.is_set()
+        opener.join(10)
+        sleeper.join()
+        assert answered.is_set() and not other.stats()["errors"]

@@ -54,7 +54,7 @@ def test_master_killed_and_replica_promoted(daemon_factory,
                 time.sleep(0.2)
                 return open_and_check(b, tag=tag, num_blocks=3).num_remote_tokens == 3 * BLOCK
             wait_for(shared, "a prompt shared after the failover", timeout_s=30)
-            assert remote_stats(a)["state"] == "up"
+            wait_for(lambda: remote_stats(a)["state"] == "up", "A's tier up")
             errors = {**a.stats()["errors"], **b.stats()["errors"]}
             assert not errors, errors
             assert remote_stats(b)["corrupt"] == 0

@@ -64,6 +64,10 @@ log = logging.getLogger("kvd")
 DEFAULT_TIMEOUT_MS = 100
 MAX_QUEUED_WRITES = 8192  # blocks waiting to be written (metadata only: ~100 bytes each)
 WRITE_BATCH = 32  # blocks per pipeline: 2 MiB at 64 KiB blocks
+# Values this large go to redis-py as memoryviews, which it sends as they are; it would copy a
+# bytearray twice (to bytes, then into hiredis' packed command), holding the GIL the loop needs.
+# (Below it, hiredis' packing of a copy costs less than redis-py's Python packer.)
+ZERO_COPY_NBYTES = 1 << 16
 MAX_FETCH_BLOCKS = 1024  # blocks one lookup fetches at most
 FETCH_CHUNK = 32  # keys per MGET of a fetch from one server (2 MiB of 64 KiB blocks)
 MAX_WAITING_FETCHES = 64  # fetches queued behind the one in flight
@@ -280,7 +284,8 @@ class RemoteTier:
             if value is None:
                 self.counters["stale"] += 1
                 continue
-            pipe.set(self.codec.key(block_hash), value)
+            pipe.execute_command("SET", self.codec.key(block_hash),
+                                 memoryview(value) if len(value) >= ZERO_COPY_NBYTES else value)
             num_values += 1
             num_bytes += len(value)
         if not num_values:

@@ -15,8 +15,9 @@ pytestmark = pytest.mark.integration
 
 
 def test_two_hosts_share_prompts_through_the_cluster(daemon_factory, redis_cluster):  # noqa: F811
-    host_a = remote_daemon(daemon_factory, redis_cluster.url)
-    host_b = remote_daemon(daemon_factory, redis_cluster.url)
+    # (blocks of 64 KiB: values redis-py sends as memoryviews)
+    host_a = remote_daemon(daemon_factory, redis_cluster.url, head_dim=512)
+    host_b = remote_daemon(daemon_factory, redis_cluster.url, head_dim=512)
     with host_a.connect() as a, host_b.connect() as b:
         prefill(a, tag=101, num_blocks=12)
         wait_for(lambda: remote_stats(a)["written"] >= 12, "12 blocks written")

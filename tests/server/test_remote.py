@@ -246,10 +246,16 @@ def test_redis_down_at_start_then_up_later(daemon_factory, tmp_path):
             wait_for(lambda: remote_stats(a)["state"] == "down", "the tier seen down")
             stats = remote_stats(a)
             assert "Connection refused" in stats["last_error"] and stats["queue_depth"] == 3
+            # seals wake the write thread, but it probes every 0.5 s only
+            started, probes = time.monotonic(), stats["probes"]
+            for tag in range(40, 60):
+                prefill(a, tag=tag, num_blocks=1)
+            elapsed = time.monotonic() - started
+            assert remote_stats(a)["probes"] - probes <= 2 + elapsed / 0.5
             server.start()
-            wait_written(a, 3)
+            wait_written(a, 23)
             assert remote_stats(a)["state"] == "up"
-            assert server.cli("DBSIZE") == "3"
+            assert server.cli("DBSIZE") == "23"
     finally:
         server.stop()
 

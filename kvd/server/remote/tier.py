@@ -241,11 +241,15 @@ class RemoteTier:
     # ---- write-behind thread -------------------------------------------------------------
     def _write_loop(self) -> None:
         client = None
+        next_probe = 0.0  # while down: probes every RETRY_S, however often seals wake us
         while not self._stopping:
             if self.state != "up" or client is None:
-                client = self._probe(client)
+                wait_s = next_probe - time.monotonic()
+                if wait_s <= 0:
+                    client = self._probe(client)
+                    next_probe = time.monotonic() + RETRY_S
                 if client is None or self.state != "up":
-                    self._wake_writer.wait(RETRY_S)
+                    self._wake_writer.wait(max(wait_s, 0.0) or RETRY_S)
                     self._wake_writer.clear()
                     continue
             if not self._writes:

@@ -64,6 +64,7 @@ log = logging.getLogger("kvd")
 DEFAULT_TIMEOUT_MS = 100
 MAX_QUEUED_WRITES = 8192  # blocks waiting to be written (metadata only: ~100 bytes each)
 WRITE_BATCH = 32  # blocks per pipeline: 2 MiB at 64 KiB blocks
+WRITE_GATHER_S = 0.005  # a write waits this long for others to share its pipeline
 # Values this large go to redis-py as memoryviews, which it sends as they are; it would copy a
 # bytearray twice (to bytes, then into hiredis' packed command), holding the GIL the loop needs.
 # (Below it, hiredis' packing of a copy costs less than redis-py's Python packer.)
@@ -256,6 +257,8 @@ class RemoteTier:
                 self._wake_writer.wait(RETRY_S)
                 self._wake_writer.clear()
                 continue
+            if len(self._writes) < WRITE_BATCH:  # let a batch gather: fewer, fuller pipelines
+                time.sleep(WRITE_GATHER_S)
             self._write_batch(client)
         _close_client(client)
 

@@ -280,6 +280,7 @@ def test_redis_killed_restarted_empty_and_slow(daemon_factory, redis_empty):
         prefill(a, tag=7, num_blocks=3)
         wait_for(lambda: redis_empty.cli("DBSIZE") != "0", "writes after the restart")
         wait_written(a, 6)
+        wait_for(lambda: remote_stats(b)["state"] == "up", "B sees the tier up again")
         assert open_and_check(b, tag=7, num_blocks=3).num_remote_tokens == 3 * BLOCK
         # slow: Redis sleeps 1.5 s; B's lookups of a missing prompt are answered near the
         # deadline (then at once while the fetch is stuck), local hits at once

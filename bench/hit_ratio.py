@@ -16,6 +16,11 @@ each Mooncake trace's halves, a 50% sample of its requests and of its conversati
 with 2% of the requests dropped (how much a cell moves by chance), and generated traces with other
 reuse (`generated_trace`). It prints kvd / best of five per cell in both modes and a summary per
 group of traces: DIR gets hit_ratio_generalisation.md and .json.
+
+`--sharing` (issue 31 item 4, about 10 minutes) replays the conversation trace into pool A and the
+synthetic trace into pool B, interleaved by timestamp, the pools sharing one budget through
+kvd/core/arena.py, next to every static split of that budget from 10 % to 90 %, at five budgets:
+DIR gets hit_ratio_sharing.md and .json.
 """
 
 from __future__ import annotations
@@ -28,9 +33,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.common import SHARED_TRACES as TRACES
-from bench.common import write_json
+from bench.common import markdown_table, write_json
 from kvd.core.policies import DEFAULT_POLICY, POLICIES
-from kvd.replay import DEFAULT_CAPACITIES, MODES, Row, plot_rows, replay_rows
+from kvd.replay import DEFAULT_CAPACITIES, MODES, Row, plot_rows, replay_rows, replay_shared
 from kvd.traces import Request, load_trace
 
 TRACE_NAMES = ("synthetic_trace.jsonl", "conversation_trace_part1.jsonl")
@@ -46,6 +51,10 @@ GENERATED = (
     ("scans", 14, {"p_one_shot": 0.5, "num_live": 300}),  # half are never-reused one-shots
 )
 NUM_DROPPED_COPIES = 4
+# --sharing: pool A's blocks (a 32-layer bfloat16 model) and pool B's (a 4x smaller one), and the
+# budgets in blocks of their mean size, from tight to ample.
+SHARING_BLOCK_NBYTES = (2 << 20, 512 << 10)
+SHARING_BUDGETS = (1000, 2000, 5000, 10000, 20000)
 
 
 def markdown(trace_name: str, rows: list[Row]) -> str:
@@ -237,6 +246,49 @@ def _of_best(rows: list[Row], capacity: int) -> float:
     return ratio[DEFAULT_POLICY] / best if best else 1.0
 
 
+def sharing(out: Path | None) -> None:
+    """Issue 31 item 4: the conversation trace into pool A, the synthetic one into pool B (block
+    bytes SHARING_BLOCK_NBYTES), interleaved by timestamp, sharing one budget: the arena vs every
+    static split 10 %..90 % to A, at five budgets (in blocks of the mean block size)."""
+    conversation, synthetic = (load_trace(TRACES / name) for name in reversed(TRACE_NAMES))
+    traces = [conversation, synthetic]
+
+    def ratio(shares: list[float] | None, budget: int) -> float:
+        counts = replay_shared(traces, SHARING_BLOCK_NBYTES, budget, DEFAULT_POLICY, shares)
+        return (sum(count.num_prefix_hits for count in counts)
+                / sum(count.num_refs for count in counts))
+
+    rows = []
+    for num_blocks in SHARING_BUDGETS:
+        budget = num_blocks * sum(SHARING_BLOCK_NBYTES) // len(SHARING_BLOCK_NBYTES)
+        static = {share: ratio([share / 100, 1 - share / 100], budget)
+                  for share in range(10, 100, 10)}
+        best = max(static, key=static.__getitem__)
+        shared = ratio(None, budget)
+        rows.append({"budget_blocks": num_blocks, "budget_nbytes": budget, "arena": shared,
+                     "static": static, "best_share_a": best,
+                     "arena_of_best": shared / static[best],
+                     "arena_of_half": shared / static[50],
+                     "best_of_half": static[best] / static[50]})
+        print(f"budget {num_blocks}: arena {shared:.4f}, best static {static[best]:.4f} "
+              f"({best}% to A), 50/50 {static[50]:.4f}", file=sys.stderr)
+    table = markdown_table(
+        ("budget (mean blocks)", "arena", "best static (A share)", "50/50", "arena / best",
+         "arena / 50-50", "best / 50-50"),
+        [(row["budget_blocks"], f"{row['arena']:.4f}",
+          f"{row['static'][row['best_share_a']]:.4f} ({row['best_share_a']}%)",
+          f"{row['static'][50]:.4f}", f"{row['arena_of_best']:.3f}", f"{row['arena_of_half']:.3f}",
+          f"{row['best_of_half']:.3f}") for row in rows])
+    text = ("Two traces into two pools sharing one budget, combined prefix hit ratio "
+            f"(A: conversation, {SHARING_BLOCK_NBYTES[0]} B blocks; B: synthetic, "
+            f"{SHARING_BLOCK_NBYTES[1]} B blocks; policy {DEFAULT_POLICY}):\n\n" + table)
+    print(text)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "hit_ratio_sharing.md").write_text(text)
+        write_json(out, "hit_ratio_sharing", rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=MODES, default="pool")
@@ -246,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure prefill/decode splits instead (see the module docstring)")
     parser.add_argument("--generalisation", action="store_true",
                         help="check the default policy on unseen traces (module docstring)")
+    parser.add_argument("--sharing", action="store_true",
+                        help="two traces into two pools sharing a budget (module docstring)")
     parser.add_argument("--out", type=Path, help="write the table, JSON rows and plots here")
     args = parser.parse_args(argv)
     missing = [name for name in TRACE_NAMES if not (TRACES / name).is_file()]
@@ -258,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.generalisation:
         generalisation(args.out)
+        return 0
+    if args.sharing:
+        sharing(args.out)
         return 0
     print(replay_all(args.out, args.mode, DEFAULT_CAPACITIES, prefix_tree=not args.no_prefix_tree))
     return 0

@@ -131,7 +131,7 @@ def child_recover(name: str, num_blocks: int) -> dict[str, Any]:
     journal = Journal(state_dir(name))
     segment = Segment.attach(DaemonPaths.for_name(name).segment_name)
     clock = time.perf_counter(), time.process_time()
-    rows = journal.load()
+    rows = journal.load().rows
     clock = lap("journal_load", clock)
     pool = BlockPool(num_blocks, "default", segment.generations)
     clock = lap("pool_build", clock)

@@ -22,6 +22,7 @@ from kvd.runtime import DEFAULT_NAME, SHM_DIR, DaemonPaths, runtime_dir
 
 if TYPE_CHECKING:  # (the daemon's modules load only for `kvd start`)
     from kvd.client import Client
+    from kvd.server.config import PoolSpec
     from kvd.server.startup import DaemonConfig, Started
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -58,6 +59,11 @@ def _add_start(subparsers: Any) -> None:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=int, help="blocks in the pool")
     size.add_argument("--memory", type=parse_nbytes, help="pool size, e.g. 2G (default 512M)")
+    parser.add_argument("--config", metavar="KVD_TOML",
+                        help="pools (and memory, policy) from a TOML file: see docs/pools.md")
+    parser.add_argument("--pool", action="append", default=[], metavar="NAME:KEY=V,...",
+                        help="a pool: NAME:layers=L,kv-heads=H,head-dim=D,dtype=T,block-size=B"
+                             "[,parts=1][,window=W]; repeat for several sharing --memory")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -104,11 +110,13 @@ def cmd_start(args: argparse.Namespace) -> int:
             if spec.policy is not None:
                 _check_policy(f"--tiers {name}=...:POLICY", spec.policy)
     paths = DaemonPaths.for_name(args.name, args.socket)
-    geometry = _geometry(args)
+    pools, memory, policy = _pools(args)
+    geometry = pools[0].shape if pools else _geometry(args)
     _raise_fd_limit()
-    config = DaemonConfig(paths, geometry, args.policy, tiers=args.tiers,
+    config = DaemonConfig(paths, geometry, policy, tiers=args.tiers,
                           metrics_port=args.metrics_port, state_dir=args.state_dir,
                           recover=args.recover, journal=not args.no_journal,
+                          pools=tuple(pools), budget_nbytes=memory,
                           remote=args.remote, **_remote_timeout(args))
     if args.detach:
         return _detach(config, args.log_level)
@@ -126,6 +134,25 @@ def _remote_timeout(args: argparse.Namespace) -> dict[str, int]:
     if args.remote is None:
         raise BadArgsError("--remote-timeout-ms needs --remote")
     return {"remote_timeout_ms": args.remote_timeout_ms}
+
+
+def _pools(args: argparse.Namespace) -> tuple[list[PoolSpec], int, str]:
+    """`--config` and `--pool`: (pools, budget, policy); no pools for the single-pool flags."""
+    from kvd.server.config import parse_pool_flag, read_config
+
+    file = read_config(args.config) if args.config else {"pools": [], "memory": None,
+                                                         "policy": None}
+    pools = [*file["pools"], *(parse_pool_flag(text) for text in args.pool)]
+    if pools and args.num_blocks is not None:
+        raise BadArgsError("--num-blocks sizes the single pool; several pools share --memory: "
+                           "give --memory instead")
+    memory = args.memory
+    if memory is None and file["memory"] is not None:
+        memory = file["memory"] if type(file["memory"]) is int else parse_nbytes(
+            str(file["memory"]))
+    policy = args.policy if args.policy != "default" or not file["policy"] else file["policy"]
+    _check_policy("policy", policy)
+    return pools, 512 << 20 if memory is None else memory, policy
 
 
 def _check_policy(flag: str, name: str) -> None:
@@ -146,9 +173,12 @@ def _ready_line(started: Started) -> str:
     g, paths = started.config.geometry, started.config.paths
     metrics_port = started.service.info.get("metrics_port")
     metrics = "" if metrics_port is None else f" metrics=127.0.0.1:{metrics_port}"
+    served = started.service.served
+    blocks = (f"blocks={g.num_blocks} block_nbytes={g.block_nbytes}" if not started.config.pools
+              else f"memory={started.config.budget_nbytes} pools=" + ",".join(
+                  f"{name}:{each.geometry.block_nbytes}" for name, each in served.items()))
     return (f"kvd: serving name={paths.name} socket={paths.socket_path} "
-            f"segment={started.segment.name} blocks={g.num_blocks} "
-            f"block_nbytes={g.block_nbytes} policy={started.service.pool.policy.name} "
+            f"segment={started.segment.name} {blocks} policy={started.service.pool.policy.name} "
             f"codec={codec()} native={native.summary()}{metrics} pid={os.getpid()}")
 
 
@@ -285,15 +315,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def format_stats(stats: dict[str, Any]) -> str:
     """A readable table of the numbers the Prometheus endpoint serves."""
-    lookups = stats["lookup_blocks"]
+    pools = stats.get("pools", {})
     rows = [
-        ("blocks free / owned / sealed / cached",
-         f"{stats['free']} / {stats['owned']} / {stats['sealed']} / {stats['cached']} "
-         f"of {stats['num_blocks']}"),
-        ("allocations", stats["allocations"]), ("evictions", stats["evictions"]),
-        ("seals", stats["seals"]), ("lookups", stats["lookups"]),
-        ("prefix hit blocks", f"{stats['hit_blocks']} of {lookups} asked "
-                              f"({stats['hit_blocks'] / lookups:.1%})" if lookups else "0"),
+        *(_block_rows(stats, "") if len(pools) < 2 else
+          [row for name, each in pools.items() for row in _block_rows(each, f"pool {name}: ")]),
+        *_arena_rows(stats),
         ("prompt tokens / served from cache",
          f"{stats['prompt_tokens']} / {stats['cached_tokens']}"),
         ("sessions now / opened / closed",
@@ -340,6 +366,31 @@ def _remote_rows(stats: dict[str, Any]) -> list[tuple[str, Any]]:
         ("remote errors (fetch / write blocks)",
          f"{remote['fetch_errors']} / {remote['write_errors']}"),
     ]
+
+
+def _block_rows(stats: dict[str, Any], prefix: str) -> list[tuple[str, Any]]:
+    """One pool's block counts, counters and prefix hits (`stats` or one of stats["pools"])."""
+    lookups = stats["lookup_blocks"]
+    return [
+        (prefix + "blocks free / owned / sealed / cached",
+         f"{stats['free']} / {stats['owned']} / {stats['sealed']} / {stats['cached']} "
+         f"of {stats['num_blocks']}"),
+        (prefix + "allocations", stats["allocations"]), (prefix + "evictions", stats["evictions"]),
+        (prefix + "seals", stats["seals"]), (prefix + "lookups", stats["lookups"]),
+        (prefix + "prefix hit blocks", f"{stats['hit_blocks']} of {lookups} asked "
+                                       f"({stats['hit_blocks'] / lookups:.1%})" if lookups
+         else "0"),
+    ]
+
+
+def _arena_rows(stats: dict[str, Any]) -> list[tuple[str, Any]]:
+    """With several pools: the slabs they share."""
+    arena = stats.get("arena")
+    if arena is None:
+        return []
+    return [("slabs unowned / all, moves",
+             f"{arena['unowned_slabs']} / {arena['num_slabs']} of {arena['slab_nbytes']} bytes, "
+             f"{arena['slab_moves']} moved")]
 
 
 def _tier_rows(stats: dict[str, Any]) -> list[tuple[str, Any]]:

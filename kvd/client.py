@@ -114,6 +114,7 @@ class Sequence:
     num_remote_tokens: int = 0
     is_closed: bool = field(default=False, repr=False)
     epoch: int = field(default=0, repr=False)  # the client's num_reconnects when opened
+    pool: str | None = None  # the pool it was opened on (None: the session's)
 
 
 class _Reply:
@@ -145,8 +146,11 @@ class Client:
     """
 
     def __init__(self, socket_path: str, timeout_s: float | None = None,
-                 reconnect_timeout_s: float = 10.0, map_segment: bool = True) -> None:
+                 reconnect_timeout_s: float = 10.0, map_segment: bool = True,
+                 pool: str | None = None) -> None:
         """Args:
+            pool: the pool the session's ops address (None: the daemon's only pool, or the one
+                named `default`, or its first); `pool=NAME` on an op addresses another one.
             timeout_s: how long one reply may take (None: wait forever).
             reconnect_timeout_s: how long to keep retrying (with backoff) when the daemon goes
                 away mid-session, e.g. while it restarts with --recover; 0 never reconnects.
@@ -163,6 +167,7 @@ class Client:
         self.timeout_s = timeout_s
         self.reconnect_timeout_s = reconnect_timeout_s
         self.map_segment = map_segment
+        self.pool_name = pool
         self.num_reconnects = 0
         self._sock: socket.socket | None = None
         self._segment: Segment | None = None
@@ -170,6 +175,8 @@ class Client:
         self._session: tuple[int, bytes | None] = (0, None)  # (set below, once connected)
         self._stale_segments: list[Segment] = []
         self._pool: np.ndarray | None = None
+        self._pool_views: dict[str, tuple[np.ndarray, int, np.ndarray]] = {}  # several pools
+        self._is_multi_pool = False  # the mapped segment has several pools (layout 2)
         self._next_id = 1
         # Reused for every reply (the decoder copies what it keeps): sock.recv(_RECV_NBYTES)
         # would have malloc map, fault in and unmap 256 KiB per call (bench/control_plane.py).
@@ -216,7 +223,10 @@ class Client:
                                     "with `kvd start`") from None
         self._sock, hello = sock, _Reply()
         try:
-            self._send("hello", {"version": PROTOCOL_VERSION, "pid": os.getpid()}, hello)
+            hello_args: dict[str, Any] = {"version": PROTOCOL_VERSION, "pid": os.getpid()}
+            if self.pool_name is not None:
+                hello_args["pool"] = self.pool_name
+            self._send("hello", hello_args, hello)
         except DisconnectedError:
             self._raise_parting_error()
             raise
@@ -226,6 +236,10 @@ class Client:
             raise DisconnectedError(f"the kvd daemon at {self.socket_path} did not answer "
                                     f"hello within timeout_s={self.timeout_s} s") from None
         self.geometry = Geometry.from_dict(self.info["geometry"])
+        # Every pool's geometry (a daemon before pools has one, unnamed: "default").
+        self.pools = {name: Geometry.from_dict(data)
+                      for name, data in self.info.get("pools", {"default": self.info["geometry"]}
+                                                      ).items()}
         self.session_id: int = self.info["session_id"]
         if not self.map_segment:
             return
@@ -236,6 +250,7 @@ class Client:
             # they live so they never touch unmapped pages, and hand out views of the new one.
             self._stale_segments.append(self._segment)
             self._segment, self._segment_uuid, self._pool = None, None, None
+            self._pool_views = {}
         self._close_stale_segments()
         try:
             segment = Segment.attach(self.info["segment"])
@@ -247,6 +262,7 @@ class Client:
             raise DisconnectedError(f"segment {self.info['segment']} is not the one the "
                                     "daemon serves (it was replaced): reconnect")
         self._segment, self._segment_uuid = segment, segment.uuid
+        self._is_multi_pool = segment.is_multi_pool
 
     def _close_stale_segments(self) -> None:
         """Unmap replaced segments no view holds any more (their memory goes back to the host)."""
@@ -590,7 +606,7 @@ class Client:
 
     def _teardown(self) -> None:
         self._shut("close() was called")
-        self._pool = None
+        self._pool, self._pool_views = None, {}
         segments, self._stale_segments = self._stale_segments, []
         if self._segment is not None:
             segments.append(self._segment)
@@ -619,6 +635,7 @@ class Client:
         _live_clients.discard(self)
         self._shut("its with block raised")
         self._pool = self._segment = None
+        self._pool_views = {}
         self._stale_segments = []
 
     @property
@@ -628,42 +645,76 @@ class Client:
     # ---- blocks --------------------------------------------------------------------------
     @property
     def pool(self) -> np.ndarray:
-        """Every block: `(num_blocks, num_layers, 2, block_size, H, D)`, a view of shared memory."""
+        """Every block of the session's pool, a view of shared memory: `(num_blocks, num_layers,
+        parts, block_size, H, D)`; on a daemon of several pools `(num_slabs, blocks_per_slab,
+        ...)`, block b at `[b // blocks_per_slab, b % blocks_per_slab]` (use `view`)."""
         if self._pool is None:
-            if not self.map_segment:
-                raise InUseError("this client was made with map_segment=False: it maps no "
-                                 "block; use kvd.connect()")
-            if self._segment is None:
-                raise DisconnectedError("the client is closed: call kvd.connect() again")
-            self._pool = self._segment.pool
+            segment = self._mapped()
+            self._pool = (segment.slabs_of(self.info["pool"]) if segment.is_multi_pool
+                          else segment.pool)
         return self._pool
 
-    def view(self, block_id: int) -> np.ndarray:
-        """One block `(num_layers, 2, block_size, H, D)`, a view into shared memory (no copy)."""
-        return self.pool[self._checked_id(block_id)]
-
-    def generation(self, block_id: int) -> int:
-        """The block's generation counter; it changes whenever the block is freed and reused."""
-        block_id = self._checked_id(block_id)
+    def _mapped(self) -> Segment:
+        if not self.map_segment:
+            raise InUseError("this client was made with map_segment=False: it maps no "
+                             "block; use kvd.connect()")
         if self._segment is None:
             raise DisconnectedError("the client is closed: call kvd.connect() again")
-        return int(self._segment.generations[block_id])
+        return self._segment
 
-    def _checked_id(self, block_id: int) -> int:
+    def _pool_view(self, pool: str) -> tuple[np.ndarray, int, np.ndarray]:
+        """(slabs view, blocks per slab, generations) of a named pool of a multi-pool segment."""
+        view = self._pool_views.get(pool)
+        if view is None:
+            segment = self._mapped()
+            if pool not in segment.pools:
+                raise NotFoundError(f"no pool {pool!r}: this daemon serves "
+                                    f"{', '.join(segment.pools)}")
+            view = self._pool_views[pool] = (segment.slabs_of(pool),
+                                             segment.pools[pool].blocks_per_slab,
+                                             segment.generations_of(pool))
+        return view
+
+    def view(self, block_id: int, pool: str | None = None) -> np.ndarray:
+        """One block `(num_layers, parts, block_size, H, D)` of the session's pool (or of
+        `pool`), a view into shared memory (no copy)."""
+        if pool is None and not self._is_multi_pool:
+            return self.pool[self._checked_id(block_id)]
+        slabs, blocks_per_slab, _ = self._pool_view(self.info["pool"] if pool is None else pool)
+        return slabs[divmod(self._checked_id(block_id, pool), blocks_per_slab)]
+
+    def generation(self, block_id: int, pool: str | None = None) -> int:
+        """The block's generation counter; it changes whenever the block is freed and reused."""
+        block_id = self._checked_id(block_id, pool)
+        segment = self._mapped()
+        if pool is None and not segment.is_multi_pool:
+            return int(segment.generations[block_id])
+        return int(self._pool_view(self.info["pool"] if pool is None else pool)[2][block_id])
+
+    def _checked_id(self, block_id: int, pool: str | None = None) -> int:
         if type(block_id) is not int and not isinstance(block_id, np.integer):
             raise BadArgsError(f"block_id must be an int, got {block_id!r}")
-        if not 0 <= block_id < self.geometry.num_blocks:  # -1 would silently be the last block
-            raise BadArgsError(f"block_id must be in [0, {self.geometry.num_blocks}), "
+        geometry = self.geometry if pool is None else self._geometry_of(pool)
+        if not 0 <= block_id < geometry.num_blocks:  # -1 would silently be the last block
+            raise BadArgsError(f"block_id must be in [0, {geometry.num_blocks}), "
                                f"got {block_id}")
         return block_id
 
-    def alloc(self, num_blocks: int) -> list[int]:
-        """`num_blocks` writable blocks owned by this session. Raises NoSpaceError."""
-        return self._call("alloc", {"num_blocks": _int(num_blocks, "num_blocks")})
+    def _geometry_of(self, pool: str) -> Geometry:
+        geometry = self.pools.get(pool)
+        if geometry is None:
+            raise NotFoundError(f"no pool {pool!r}: this daemon serves {', '.join(self.pools)}")
+        return geometry
+
+    def alloc(self, num_blocks: int, pool: str | None = None) -> list[int]:
+        """`num_blocks` writable blocks owned by this session (of `pool`, default the session's).
+        Raises NoSpaceError."""
+        return self._call("alloc" if pool is None else f"alloc@{pool}",
+                          {"num_blocks": _int(num_blocks, "num_blocks")})
 
     def seal(self, block_ids: SequenceOf[int], hashes: SequenceOf[bytes],
              parents: SequenceOf[bytes | None] | None = None,
-             tiers: SequenceOf[int] | None = None) -> list[bool]:
+             tiers: SequenceOf[int] | None = None, pool: str | None = None) -> list[bool]:
         """Publish filled blocks under content hashes; returns which ones entered the index.
 
         Args:
@@ -673,6 +724,7 @@ class Client:
                 stranded middle. For blocks hashed with `kvd.hash_blocks(tokens, size, parent)`
                 that is `[parent, *hashes[:-1]]`. Sequences do this themselves.
             tiers: per block, 0 (written by prefill) or 1 (by decode), for a `--tiers` daemon.
+            pool: the blocks' pool (default the session's); likewise for every op below.
         """
         args: dict[str, Any] = {"block_ids": _ints(block_ids, "block_ids"),
                                 "hashes": _list(hashes, "hashes")}
@@ -680,19 +732,22 @@ class Client:
             args["parents"] = _list(parents, "parents")
         if tiers is not None:
             args["tiers"] = _ints(tiers, "tiers")
-        return self._call("seal", args)
+        return self._call("seal" if pool is None else f"seal@{pool}", args)
 
-    def lookup(self, hashes: SequenceOf[bytes]) -> list[int]:
+    def lookup(self, hashes: SequenceOf[bytes], pool: str | None = None) -> list[int]:
         """Block ids of the longest cached prefix of `hashes`, pinned for this session."""
-        return self._call("lookup", {"hashes": _list(hashes, "hashes")})
+        return self._call("lookup" if pool is None else f"lookup@{pool}",
+                          {"hashes": _list(hashes, "hashes")})
 
-    def pin(self, block_ids: SequenceOf[int]) -> None:
+    def pin(self, block_ids: SequenceOf[int], pool: str | None = None) -> None:
         """One more pin on each sealed block (to share it)."""
-        self._call("pin", {"block_ids": _ints(block_ids, "block_ids")})
+        self._call("pin" if pool is None else f"pin@{pool}",
+                   {"block_ids": _ints(block_ids, "block_ids")})
 
-    def release(self, block_ids: SequenceOf[int]) -> None:
+    def release(self, block_ids: SequenceOf[int], pool: str | None = None) -> None:
         """Drop one pin per block; unsealed blocks are freed, sealed ones stay cached."""
-        self._call("release", {"block_ids": _ints(block_ids, "block_ids")})
+        self._call("release" if pool is None else f"release@{pool}",
+                   {"block_ids": _ints(block_ids, "block_ids")})
 
     def stats(self) -> dict[str, Any]:
         return self._call("stats", {})
@@ -703,7 +758,7 @@ class Client:
 
     # ---- sequences -------------------------------------------------------------------------
     def open_sequence(self, token_ids: Any, salt: bytes = b"",
-                      max_cached_tokens: int | None = None) -> Sequence:
+                      max_cached_tokens: int | None = None, pool: str | None = None) -> Sequence:
         """Open a sequence: reuse the longest cached prefix, allocate the rest (one round trip).
 
         At most `max_cached_tokens` (default: all but the last token, whose logits an engine
@@ -712,10 +767,10 @@ class Client:
         args: dict[str, Any] = {"tokens": token_bytes(token_ids), "salt": salt}
         if max_cached_tokens is not None:
             args["max_cached_tokens"] = _int(max_cached_tokens, "max_cached_tokens")
-        reply = self._call("seq_open", args)
+        reply = self._call(_op("seq_open", pool), args)
         return Sequence(reply["seq_id"], reply["block_ids"], reply["num_tokens"],
                         reply["num_cached_tokens"], reply["num_sealed_blocks"],
-                        reply.get("num_remote_tokens", 0), epoch=self.num_reconnects)
+                        reply.get("num_remote_tokens", 0), epoch=self.num_reconnects, pool=pool)
 
     def _check_live(self, seq: Sequence) -> None:
         if seq.epoch != self.num_reconnects:
@@ -731,10 +786,11 @@ class Client:
         data = token_bytes(token_ids)
         num_computed = (seq.num_tokens if num_computed is None
                         else _int(num_computed, "num_computed"))
-        new_ids = self._call("seq_extend", {"seq_id": seq.seq_id, "tokens": data,
-                                            "num_computed": num_computed})
-        seq.num_sealed_blocks = max(seq.num_sealed_blocks,
-                                    num_computed // self.geometry.block_size)
+        new_ids = self._call(_op("seq_extend", seq.pool), {
+            "seq_id": seq.seq_id, "tokens": data, "num_computed": num_computed})
+        block_size = (self.geometry if seq.pool is None else self._geometry_of(seq.pool)
+                      ).block_size
+        seq.num_sealed_blocks = max(seq.num_sealed_blocks, num_computed // block_size)
         seq.block_ids.extend(new_ids)
         seq.num_tokens += len(data) // 4
         return new_ids
@@ -744,24 +800,29 @@ class Client:
         self._check_live(seq)
         num_computed = (seq.num_tokens if num_computed is None
                         else _int(num_computed, "num_computed"))
-        num_sealed = self._call("seq_commit", {"seq_id": seq.seq_id,
-                                               "num_computed": num_computed})
+        num_sealed = self._call(_op("seq_commit", seq.pool), {"seq_id": seq.seq_id,
+                                                              "num_computed": num_computed})
         seq.num_sealed_blocks += num_sealed
         return num_sealed
 
     def fork_sequence(self, seq: Sequence) -> Sequence:
         """A new sequence sharing `seq`'s sealed blocks; its unsealed blocks are copies."""
         self._check_live(seq)
-        reply = self._call("seq_fork", {"seq_id": seq.seq_id})
+        reply = self._call(_op("seq_fork", seq.pool), {"seq_id": seq.seq_id})
         return Sequence(reply["seq_id"], reply["block_ids"], reply["num_tokens"],
                         seq.num_cached_tokens, reply["num_sealed_blocks"],
-                        epoch=self.num_reconnects)
+                        epoch=self.num_reconnects, pool=seq.pool)
 
     def close_sequence(self, seq: Sequence) -> None:
         """Release the sequence's blocks (sealed ones stay cached for others)."""
         if seq.epoch == self.num_reconnects:  # else the restart released them already
-            self._call("seq_close", {"seq_id": seq.seq_id})
+            self._call(_op("seq_close", seq.pool), {"seq_id": seq.seq_id})
         seq.is_closed = True
+
+
+def _op(name: str, pool: str | None) -> str:
+    """The wire op addressing `pool` (None: the session's): OP@NAME (kvd/server/service.py)."""
+    return name if pool is None else f"{name}@{pool}"
 
 
 def _is_seconds(value: Any) -> bool:
@@ -793,6 +854,9 @@ def _list(values: Any, name: str) -> list[Any]:
 
 
 def connect(name_or_socket_path: str | None = None, timeout_s: float | None = None,
-            reconnect_timeout_s: float = 10.0) -> Client:
-    """Connect to a daemon by name (default `$KVD_NAME` or "default") or socket path."""
-    return Client(resolve_socket(name_or_socket_path), timeout_s, reconnect_timeout_s)
+            reconnect_timeout_s: float = 10.0, pool: str | None = None) -> Client:
+    """Connect to a daemon by name (default `$KVD_NAME` or "default") or socket path; `pool`
+    names the pool the session's ops address (None: the daemon's first, `default` for the
+    single-pool flags). Raises NotFoundError for a pool the daemon does not serve."""
+    return Client(resolve_socket(name_or_socket_path), timeout_s, reconnect_timeout_s,
+                  pool=pool)

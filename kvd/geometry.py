@@ -2,8 +2,13 @@
 
 One block holds K and V for `block_size` tokens of every layer::
 
-    block shape = (num_layers, 2, block_size, num_kv_heads, head_dim)     # 2 = K, V
+    block shape = (num_layers, parts, block_size, num_kv_heads, head_dim)  # parts 2 = K, V
     pool shape  = (num_blocks, *block shape)
+
+`parts` is 2 (K and V) unless the model keeps one latent vector per token and layer (multi-head
+latent attention: `parts=1`, `num_kv_heads=1`, `head_dim` the latent width). `window` is the
+sliding-window length in tokens of a pool holding sliding-window layers (None: full attention);
+it is the pool's contract with its users, the pool itself stores blocks the same way.
 
 NumPy has no bfloat16: a bfloat16 pool is stored as 2-byte words (uint16) and viewed in torch
 with `torch.from_numpy(view).view(torch.bfloat16)`.
@@ -36,6 +41,8 @@ class Geometry:
     num_kv_heads: int = 8
     head_dim: int = 128
     dtype: str = "float16"
+    parts: int = 2
+    window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "num_layers", "block_size", "num_kv_heads", "head_dim"):
@@ -44,6 +51,12 @@ class Geometry:
                 raise BadArgsError(f"{name} must be a positive int, got {value!r}")
         if self.dtype not in DTYPES:
             raise BadArgsError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.parts not in (1, 2) or isinstance(self.parts, bool):
+            raise BadArgsError(f"parts must be 2 (K and V) or 1 (a latent), got {self.parts!r}")
+        if self.window is not None and (not isinstance(self.window, int)
+                                        or isinstance(self.window, bool) or self.window <= 0):
+            raise BadArgsError(f"window must be a positive token count or None, "
+                               f"got {self.window!r}")
         self._check_size()
 
     def _check_size(self) -> None:
@@ -58,7 +71,7 @@ class Geometry:
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, self.parts, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def pool_shape(self) -> tuple[int, ...]:
@@ -78,7 +91,14 @@ class Geometry:
         return self.block_nbytes * self.num_blocks
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields, less `parts` and `window` at their defaults (so a K/V full-attention
+        geometry reads as it did before they existed: journal stamps, hello replies)."""
+        data = asdict(self)
+        if data["parts"] == 2:
+            del data["parts"]
+        if data["window"] is None:
+            del data["window"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Geometry:

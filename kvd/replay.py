@@ -60,6 +60,7 @@ from dataclasses import asdict, dataclass
 from kvd.errors import BadArgsError
 from kvd.core.policies import (DEFAULT_POLICY, POLICIES, TIER_DECODE, TieredPolicy,
                                make_policy)
+from kvd.core.arena import Arena
 from kvd.core.pool import BlockPool
 from kvd.traces import TRACE_BLOCK_TOKENS, Request, decode_blocks, load_trace
 
@@ -138,17 +139,48 @@ def replay_pool(trace: Sequence[Request], policy_name: str, capacity: int, *,
     pool = BlockPool(capacity, make_policy(policy_name, capacity, tiers=tiers))
     counts = Counts()
     for number, request in enumerate(trace):
-        keys = request.hash_ids
-        block_ids = pool.lookup(keys, _OWNER)
-        num_prefix = len(block_ids)
-        num_hits = num_prefix + _pin_later_hits(pool, keys, num_prefix, block_ids, prefix_tree)
-        if decode is not None and decode[number]:
-            parent = keys[request.input_length // TRACE_BLOCK_TOKENS - 1] \
-                if request.input_length >= TRACE_BLOCK_TOKENS else None
-            _write(pool, decode[number], [parent, *decode[number][:-1]], block_ids,
-                   prefix_tree, TIER_DECODE)
-        pool.release(block_ids, _OWNER)
-        counts.add_request(request, num_prefix, num_hits)
+        _replay_request(pool, request, counts, prefix_tree,
+                        None if decode is None else decode[number])
+    return counts
+
+
+def _replay_request(pool: BlockPool, request: Request, counts: Counts, prefix_tree: bool,
+                    written: Sequence[int] | None = None) -> None:
+    """One request of pool mode: lookup, pin later hits, write the rest (and `written`)."""
+    keys = request.hash_ids
+    block_ids = pool.lookup(keys, _OWNER)
+    num_prefix = len(block_ids)
+    num_hits = num_prefix + _pin_later_hits(pool, keys, num_prefix, block_ids, prefix_tree)
+    if written:
+        parent = keys[request.input_length // TRACE_BLOCK_TOKENS - 1] \
+            if request.input_length >= TRACE_BLOCK_TOKENS else None
+        _write(pool, written, [parent, *written[:-1]], block_ids, prefix_tree, TIER_DECODE)
+    pool.release(block_ids, _OWNER)
+    counts.add_request(request, num_prefix, num_hits)
+
+
+def replay_shared(traces: Sequence[Sequence[Request]], block_nbytes: Sequence[int],
+                  budget_nbytes: int, policy_name: str,
+                  shares: Sequence[float] | None = None) -> list[Counts]:
+    """Replay traces into one pool each, interleaved by timestamp, the pools sharing a budget.
+
+    With `shares` (fractions of the budget, one per pool) each pool is a BlockPool of its static
+    share; without, the pools are one kvd.core.arena.Arena's, taking memory where the demand is
+    (issue 31 item 4). Pool mode, prefix tree on. Returns one Counts per trace.
+    """
+    if shares is None:
+        arena = Arena(budget_nbytes, block_nbytes)
+        pools: list[BlockPool] = [arena.add_pool(number, policy_name)
+                                  for number in range(len(traces))]
+    else:
+        pools = [BlockPool(max(1, int(share * budget_nbytes) // nbytes),
+                           make_policy(policy_name, max(1, int(share * budget_nbytes) // nbytes)))
+                 for share, nbytes in zip(shares, block_nbytes)]
+    counts = [Counts() for _ in traces]
+    merged = heapq.merge(*([(request.timestamp_ms, number, request) for request in trace]
+                           for number, trace in enumerate(traces)), key=lambda item: item[:2])
+    for _, number, request in merged:
+        _replay_request(pools[number], request, counts[number], prefix_tree=True)
     return counts
 
 

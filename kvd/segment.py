@@ -23,24 +23,48 @@ Layout (all integers little-endian; the segment never leaves the host)::
              │  96  generations off  u64  = 4096                            │
              │ 104  pool offset      u64                                    │
              │ 112  total nbytes     u64  = file size                       │
-             │ 120  zero up to 4096                                         │
+             │ 120  zero up to 4088                                         │
+             │4088  acknowledged seals u64  the journal's seal counter as   │
+             │                              of its last commit (recovery)   │
        4096 ├──────────────────────────────────────────────────────────────┤
-             │ generations: uint64[num_blocks], all at a random base per    │
-             │ create; the daemon bumps block i's counter each time it goes │
-             │ back to FREE                                                 │
+             │ generations: uint64[num_blocks], each at its own random base │
+             │ per create; the daemon bumps block i's counter each time it  │
+             │ goes back to FREE                                            │
   pool off  ├── aligned up to 4096 ─────────────────────────────────────────┤
              │ pool: (num_blocks, num_layers, 2, block_size, num_kv_heads,  │
              │        head_dim) of the storage dtype (bfloat16 as uint16)   │
       total └──────────────────────────────────────────────────────────────┘
+
+Several pools (layout version 2, kvd/core/arena.py): the header holds the slab size and count
+and a table of pools (name, block shape, dtype, window, id space, generations offset); each
+pool's generations follow the header, then the data area of `num_slabs` slabs::
+
+       0 ┌ header: magic, version 2, header nbytes, uuid, boot id, num_pools, slab nbytes,    ┐
+         │ num_slabs, data offset, total nbytes; at 128: one 96-byte entry per pool         │
+    4096 ├ pool 0's generations: uint64[num_ids(0)], pool 1's, ... (each 4096-aligned)      ┤
+ data off├ slab 0 │ slab 1 │ ... │ slab num_slabs-1   (who owns a slab is the daemon's      ┤
+         └─────────────────────────────────────────── business: addresses never change)  ┘
+
+Pool P's block b lives at data offset + (b // bps) * slab nbytes + (b % bps) * block nbytes,
+bps = slab nbytes // block nbytes: a view's address is static, whichever pool owns the slab now.
+A single-pool daemon keeps layout version 1 above (its pool is named "default").
 
 Creation reserves every page with `posix_fallocate` after checking `statvfs`: tmpfs happily
 `ftruncate`s past its free space and then kills the first process that touches a missing page
 with SIGBUS; reserving up front turns that into a NoSpaceError at start. The magic is written
 last, so a daemon that dies half-way through `create` leaves a segment `attach` refuses.
 
-Generations start at a random base (below 2**63, so they never wrap) rather than at 0: a reader
+Generations start at a random base (below 2**62, so they never wrap) rather than at 0: a reader
 holding a block id and its generation from a replaced segment (a clean restart under the same
-name) would otherwise see the same counter again on a block that now holds something else.
+name) would otherwise see the same counter again on a block that now holds something else. The
+base is drawn per block, not once per segment: a journal record (kvd/server/journal.py) whose
+block id was damaged then names a block whose counter it cannot match, where with one shared base
+every block that had been freed as often as the record's own matched it.
+
+The acknowledged-seals counter at the end of the header is the daemon's: it writes the journal's
+seal counter there after each commit and before the replies it holds (a store to shared memory),
+so that a recovery knows how many seals were acknowledged and can say so when the journal it
+reads ends sooner (kvd/server/recovery.py). A fresh segment has 0 there.
 
 Views are `np.frombuffer` over the mmap, never copies. While any view lives the mmap cannot be
 closed (BufferError), which is what keeps a reader off unmapped memory; `close` turns that into an
@@ -61,6 +85,7 @@ import re
 import secrets
 import struct
 import uuid
+from dataclasses import dataclass, replace
 from types import TracebackType
 
 import numpy as np
@@ -81,6 +106,17 @@ DTYPE_CODES = {"float16": 1, "float32": 2, "bfloat16": 3}  # 0 stays invalid: a 
 _DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 
 _HEADER = struct.Struct("<8sII16s16s5QI4xQQQ")
+POOLS_LAYOUT_VERSION = 2
+# magic, version, header nbytes, uuid, boot id, num_pools, slab nbytes, num_slabs, data offset,
+# total nbytes; then at POOL_TABLE_OFFSET one _POOL_ENTRY per pool: name, num_layers, parts,
+# block_size, num_kv_heads, head_dim, dtype code, window (0: none), num_ids, generations offset.
+_POOLS_HEADER = struct.Struct("<8sII16s16sI4xQQQQ")
+_POOL_ENTRY = struct.Struct("<32s6IQQQ8x")
+POOL_TABLE_OFFSET = 128
+MAX_SEGMENT_POOLS = 16
+_ACKNOWLEDGED_SEALS = struct.Struct("<Q")
+ACKNOWLEDGED_SEALS_OFFSET = HEADER_NBYTES - _ACKNOWLEDGED_SEALS.size  # the header's last 8 bytes
+GENERATION_BASE_LIMIT = 1 << 62  # per-block random bases below it: 2**62 bumps before 2**63
 _NAME_RE = re.compile(r"/kvd[A-Za-z0-9._-]{0,250}")
 
 
@@ -103,6 +139,37 @@ def layout(geometry: Geometry) -> tuple[int, int, int]:
     generations_offset = HEADER_NBYTES
     pool_offset = _align_up(generations_offset + 8 * geometry.num_blocks, PAGE_NBYTES)
     return generations_offset, pool_offset, pool_offset + geometry.pool_nbytes
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Where one pool's generations and blocks are. `geometry.num_blocks` is its id space."""
+
+    name: str
+    geometry: Geometry
+    generations_offset: int
+    data_offset: int
+    slab_nbytes: int
+
+    @property
+    def blocks_per_slab(self) -> int:
+        return self.slab_nbytes // self.geometry.block_nbytes
+
+    def block_offset(self, block_id: int) -> int:
+        slab, slot = divmod(block_id, self.blocks_per_slab)
+        return self.data_offset + slab * self.slab_nbytes + slot * self.geometry.block_nbytes
+
+
+def pools_layout(shapes: list[tuple[str, Geometry]], slab_nbytes: int,
+                 num_slabs: int) -> tuple[list[PoolLayout], int]:
+    """Each pool's PoolLayout (geometry with its id space) and the total nbytes, layout 2."""
+    offset, layouts = HEADER_NBYTES, []
+    for name, shape in shapes:
+        geometry = replace(shape, num_blocks=num_slabs * (slab_nbytes // shape.block_nbytes))
+        layouts.append(PoolLayout(name, geometry, offset, 0, slab_nbytes))
+        offset = _align_up(offset + 8 * geometry.num_blocks, PAGE_NBYTES)
+    layouts = [replace(each, data_offset=offset) for each in layouts]
+    return layouts, offset + num_slabs * slab_nbytes
 
 
 def _align_up(value: int, alignment: int) -> int:
@@ -134,13 +201,22 @@ class Segment:
     """One mapped shared-memory segment. Build with `Segment.create` or `Segment.attach`."""
 
     def __init__(self, name: str, mapping: mmap.mmap, geometry: Geometry, segment_uuid: bytes,
-                 boot_id: bytes) -> None:
+                 boot_id: bytes, pools: list[PoolLayout] | None = None,
+                 nbytes: int | None = None) -> None:
+        """`pools` and `nbytes` for layout 2 (then `geometry` is the first pool's)."""
         self._name = name
         self._mmap: mmap.mmap | None = mapping
         self._geometry = geometry
         self._uuid = segment_uuid
         self._boot_id = boot_id
         self._generations_offset, self._pool_offset, self._nbytes = layout(geometry)
+        if pools is None:
+            pools = [PoolLayout("default", geometry, self._generations_offset, self._pool_offset,
+                                geometry.block_nbytes)]
+        else:
+            self._nbytes = nbytes or 0
+        self.is_multi_pool = nbytes is not None
+        self.pools = {each.name: each for each in pools}
         # Cached because Geometry computes them with np.prod (µs each) and block() is per view.
         self._block_shape = geometry.block_shape
         self._block_nbytes = geometry.block_nbytes
@@ -160,23 +236,43 @@ class Segment:
         """
         check_name(name)
         _, _, total_nbytes = layout(geometry)
-        _check_free_space(total_nbytes)
-        boot_id = current_boot_id()
-        try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
-        except posix_ipc.ExistentialError:
-            raise InUseError(f"segment {name} already exists (a running daemon, or one that "
-                             "crashed): recover it, or unlink it if no daemon uses it") from None
-        try:
-            mapping = _reserve_and_map(shm, total_nbytes)
-        except BaseException:
-            shm.unlink()
-            raise
-        finally:
-            shm.close_fd()  # the mapping keeps the memory; nothing needs the fd after mmap
+        mapping, boot_id = _create_mapping(name, total_nbytes)
         segment = cls(name, mapping, geometry, uuid.uuid4().bytes, boot_id)
         segment._write_header(mapping)
         return segment
+
+    @classmethod
+    def create_pools(cls, name: str, shapes: list[tuple[str, Geometry]], slab_nbytes: int,
+                     num_slabs: int) -> Segment:
+        """Create a layout-2 segment for pools sharing `num_slabs` slabs (module docstring);
+        raises as `create` does."""
+        check_name(name)
+        if len(shapes) > MAX_SEGMENT_POOLS:
+            raise BadArgsError(f"a segment holds at most {MAX_SEGMENT_POOLS} pools")
+        pools, total_nbytes = pools_layout(shapes, slab_nbytes, num_slabs)
+        mapping, boot_id = _create_mapping(name, total_nbytes)
+        segment = cls(name, mapping, pools[0].geometry, uuid.uuid4().bytes, boot_id, pools,
+                      total_nbytes)
+        segment._write_pools_header(mapping, slab_nbytes, num_slabs)
+        return segment
+
+    def _write_pools_header(self, mapping: mmap.mmap, slab_nbytes: int, num_slabs: int) -> None:
+        pools = list(self.pools.values())
+        header = _POOLS_HEADER.pack(MAGIC, POOLS_LAYOUT_VERSION, HEADER_NBYTES, self._uuid,
+                                    self._boot_id, len(pools), slab_nbytes, num_slabs,
+                                    pools[0].data_offset, self._nbytes)
+        rng = np.random.default_rng(secrets.randbits(128))  # (per-block bases, as in layout 1)
+        for number, pool in enumerate(pools):
+            g = pool.geometry
+            _POOL_ENTRY.pack_into(
+                mapping, POOL_TABLE_OFFSET + number * _POOL_ENTRY.size, pool.name.encode(),
+                g.num_layers, g.parts, g.block_size, g.num_kv_heads, g.head_dim,
+                DTYPE_CODES[g.dtype], g.window or 0, g.num_blocks, pool.generations_offset)
+            generations = self.generations_of(pool.name)
+            generations[:] = rng.integers(0, GENERATION_BASE_LIMIT, generations.size, np.uint64)
+            del generations
+        mapping[len(MAGIC):_POOLS_HEADER.size] = header[len(MAGIC):]
+        mapping[:len(MAGIC)] = MAGIC
 
     @classmethod
     def attach(cls, name: str) -> Segment:
@@ -212,6 +308,10 @@ class Segment:
         finally:
             shm.close_fd()
         try:
+            if struct.unpack_from("<I", mapping, len(MAGIC))[0] == POOLS_LAYOUT_VERSION:
+                pools, segment_uuid, boot_id = _read_pools_header(name, mapping)
+                return cls(name, mapping, pools[0].geometry, segment_uuid, boot_id, pools,
+                           len(mapping))
             return cls(name, mapping, *_read_header(name, mapping))
         except BaseException:
             mapping.close()
@@ -226,7 +326,10 @@ class Segment:
             self._generations_offset, self._pool_offset, self._nbytes,
         )
         generations = self.generations
-        generations[:] = secrets.randbits(31) << 32  # see "Generations start at a random base"
+        # (module docstring: "Generations start at a random base"), from a generator seeded by
+        # the OS: a million bases in milliseconds, where os.urandom's would take tens.
+        rng = np.random.default_rng(secrets.randbits(128))
+        generations[:] = rng.integers(0, GENERATION_BASE_LIMIT, generations.size, np.uint64)
         del generations
         # The magic goes in last: a header without it is refused by `attach`.
         mapping[len(MAGIC):_HEADER.size] = header[len(MAGIC):]
@@ -260,6 +363,34 @@ class Segment:
         return self._array(self._pool_offset, self._geometry.numpy_dtype,
                            self._geometry.pool_shape, readonly=True)
 
+    def generations_of(self, pool: str) -> np.ndarray:
+        """One pool's generation counters, uint64[its id space] (written by the daemon only)."""
+        layout_ = self._pool_layout(pool)
+        return self._array(layout_.generations_offset, np.dtype("<u8"),
+                           (layout_.geometry.num_blocks,), readonly=False)
+
+    def slabs_of(self, pool: str, readonly: bool = False) -> np.ndarray:
+        """Every block of a pool as `(num_slabs, blocks_per_slab, *block_shape)`: block b is
+        `[b // blocks_per_slab, b % blocks_per_slab]` (a slab's tail is not in the view)."""
+        layout_ = self._pool_layout(pool)
+        geometry, bps = layout_.geometry, layout_.blocks_per_slab
+        data = self._array(layout_.data_offset, geometry.numpy_dtype,
+                           ((self._nbytes - layout_.data_offset) // geometry.numpy_dtype.itemsize,),
+                           readonly)
+        inner = [geometry.numpy_dtype.itemsize]  # a block's C-order strides, last axis first
+        for extent in reversed(geometry.block_shape[1:]):
+            inner.insert(0, inner[0] * extent)
+        return np.lib.stride_tricks.as_strided(
+            data, (geometry.num_blocks // bps, bps, *geometry.block_shape),
+            (layout_.slab_nbytes, geometry.block_nbytes, *inner), writeable=not readonly)
+
+    def _pool_layout(self, pool: str) -> PoolLayout:
+        layout_ = self.pools.get(pool)
+        if layout_ is None:
+            raise NotFoundError(f"segment {self._name} has no pool {pool!r}; it has "
+                                f"{', '.join(self.pools)}")
+        return layout_
+
     def block(self, block_id: int, readonly: bool = False) -> np.ndarray:
         """One block, shape `geometry.block_shape`, a view into shared memory (no copy)."""
         if type(block_id) is not int and not isinstance(block_id, np.integer):
@@ -269,6 +400,23 @@ class Segment:
                                f"got {block_id}")
         offset = self._pool_offset + int(block_id) * self._block_nbytes
         return self._array(offset, self._dtype, self._block_shape, readonly)
+
+    @property
+    def acknowledged_seals(self) -> int:
+        """The journal's seal counter as of its last commit (module docstring); 0 when fresh."""
+        if self._mmap is None:
+            raise InUseError(f"segment {self._name} is closed: attach it again")
+        return int(_ACKNOWLEDGED_SEALS.unpack_from(self._mmap, ACKNOWLEDGED_SEALS_OFFSET)[0])
+
+    @acknowledged_seals.setter
+    def acknowledged_seals(self, value: int) -> None:
+        self.set_acknowledged_seals(value)
+
+    def set_acknowledged_seals(self, value: int) -> None:
+        """The daemon's, after each journal commit (kvd/server/journal.py's `on_commit`)."""
+        if self._mmap is None:
+            raise InUseError(f"segment {self._name} is closed: attach it again")
+        _ACKNOWLEDGED_SEALS.pack_into(self._mmap, ACKNOWLEDGED_SEALS_OFFSET, value)
 
     # --- identity --------------------------------------------------------------------------
 
@@ -339,6 +487,25 @@ class Segment:
         return f"Segment({self._name!r}, {self._geometry}, {state})"
 
 
+def _create_mapping(name: str, total_nbytes: int) -> tuple[mmap.mmap, bytes]:
+    """A new shm object of `total_nbytes` (0600), reserved and mapped, and this boot's id."""
+    _check_free_space(total_nbytes)
+    boot_id = current_boot_id()
+    try:
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
+    except posix_ipc.ExistentialError:
+        raise InUseError(f"segment {name} already exists (a running daemon, or one that "
+                         "crashed): recover it, or unlink it if no daemon uses it") from None
+    try:
+        mapping = _reserve_and_map(shm, total_nbytes)
+    except BaseException:
+        shm.unlink()
+        raise
+    finally:
+        shm.close_fd()  # the mapping keeps the memory; nothing needs the fd after mmap
+    return mapping, boot_id
+
+
 def _reserve_and_map(shm: posix_ipc.SharedMemory, total_nbytes: int) -> mmap.mmap:
     # posix_fallocate both sets the size and allocates every page, so a full /dev/shm fails here.
     try:
@@ -348,6 +515,32 @@ def _reserve_and_map(shm: posix_ipc.SharedMemory, total_nbytes: int) -> mmap.mma
         raise NoSpaceError(_no_space_message(stat.f_bavail * stat.f_frsize, total_nbytes)
                            + f" ({exc.strerror})") from None
     return mmap.mmap(shm.fd, total_nbytes)
+
+
+def _read_pools_header(name: str, mapping: mmap.mmap) -> tuple[list[PoolLayout], bytes, bytes]:
+    """Validate a layout-2 header; return `(pools, uuid, boot id)`."""
+    (magic, _, header_nbytes, segment_uuid, boot_id, num_pools, slab_nbytes, num_slabs,
+     data_offset, total_nbytes) = _POOLS_HEADER.unpack_from(mapping, 0)
+    if magic != MAGIC or header_nbytes != HEADER_NBYTES:
+        raise VersionError(f"{name} is not a kvd segment (bad magic {magic!r}): unlink it or "
+                           "choose another --name")
+    if not 0 < num_pools <= MAX_SEGMENT_POOLS or not slab_nbytes:
+        raise VersionError(f"{name} has a corrupt header ({num_pools} pools): unlink it")
+    shapes = []
+    for number in range(num_pools):
+        (raw_name, num_layers, parts, block_size, num_kv_heads, head_dim, dtype_code, window,
+         _, _) = _POOL_ENTRY.unpack_from(mapping, POOL_TABLE_OFFSET + number * _POOL_ENTRY.size)
+        try:
+            shapes.append((raw_name.rstrip(b"\0").decode(), Geometry(
+                1, num_layers, block_size, num_kv_heads, head_dim,
+                _DTYPE_NAMES.get(dtype_code, f"code {dtype_code}"), parts, window or None)))
+        except (BadArgsError, UnicodeDecodeError) as exc:
+            raise VersionError(f"{name} has a corrupt header ({exc}): unlink it") from None
+    pools, expected_nbytes = pools_layout(shapes, slab_nbytes, num_slabs)
+    if (expected_nbytes, pools[0].data_offset) != (total_nbytes, data_offset) \
+            or total_nbytes != len(mapping):
+        raise VersionError(f"{name} has a corrupt header (sizes do not add up): unlink it")
+    return pools, segment_uuid, boot_id
 
 
 def _read_header(name: str, mapping: mmap.mmap) -> tuple[Geometry, bytes, bytes]:

@@ -112,7 +112,7 @@ def test_detach_status_stats_stop_round_trip():
         # --metrics-port 0: the port the kernel chose is in the ready line, the log and stats
         port = int(re.search(r" metrics=127\.0\.0\.1:(\d+) ", started.stdout).group(1))
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-            assert b"kvd_pool_blocks 16.0" in reply.read()
+            assert b'kvd_pool_blocks{pool="default"} 16.0' in reply.read()
         log_path = re.search(r" log=(\S+)$", started.stdout.strip()).group(1)
         assert f"serving metrics on 127.0.0.1:{port}" in Path(log_path).read_text()
         assert f"socket={paths.socket_path}" in started.stdout

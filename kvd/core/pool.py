@@ -244,6 +244,9 @@ class BlockPool:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise BadArgsError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
+        # Blocks this pool holds: all of them, except in an arena (kvd/core/arena.py), whose
+        # pools span an id space of which only the ids of the slabs they own are present.
+        self.num_present = num_blocks
         self.policy = make_policy(policy, num_blocks) if isinstance(policy, str) else policy
         if generations is None:
             generations = np.zeros(num_blocks, dtype=np.uint64)
@@ -275,13 +278,13 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         counts = self.tables.counts
-        return self.num_blocks - counts[NUM_FREE] - counts[NUM_OWNED] - counts[NUM_SEALED]
+        return self.num_present - counts[NUM_FREE] - counts[NUM_OWNED] - counts[NUM_SEALED]
 
     @property
     def num_available(self) -> int:
         """Blocks an allocation could get right now: free plus evictable."""
         counts = self.tables.counts
-        return self.num_blocks - counts[NUM_OWNED] - counts[NUM_SEALED]
+        return self.num_present - counts[NUM_OWNED] - counts[NUM_SEALED]
 
     @property
     def counters(self) -> dict[str, int]:
@@ -435,7 +438,7 @@ class BlockPool:
         allocation then only executes the eviction. Cheap when there is nothing to do."""
         counts = self.tables.counts
         if (counts[NEXT_VICTIM] == NO_BLOCK and not counts[NUM_FREE]
-                and counts[NUM_OWNED] + counts[NUM_SEALED] < self.num_blocks):
+                and counts[NUM_OWNED] + counts[NUM_SEALED] < self.num_present):
             counts[NEXT_VICTIM] = self._policy_victim()
 
     def _evict_subtree(self, root: int) -> None:
@@ -893,7 +896,9 @@ class BlockPool:
         for state in t.state:
             counts[state] += 1
         next_victim = t.counts[NEXT_VICTIM]
-        expected = [t.counts[NUM_FREE], t.counts[NUM_OWNED], t.counts[NUM_SEALED],
+        # (an absent block, outside an arena pool's slabs, is FREE and off the free list)
+        num_absent = self.num_blocks - self.num_present
+        expected = [t.counts[NUM_FREE] + num_absent, t.counts[NUM_OWNED], t.counts[NUM_SEALED],
                     len(self.policy) + (next_victim != NO_BLOCK)]
         if counts != expected:
             raise InternalError(f"state counts {counts} != bookkeeping {expected} "
@@ -968,6 +973,6 @@ class BlockPool:
 
     def stats(self) -> dict[str, int]:
         """Block counts by state plus cumulative counters."""
-        return {"num_blocks": self.num_blocks, "free": self.num_free, "owned": self.num_owned,
+        return {"num_blocks": self.num_present, "free": self.num_free, "owned": self.num_owned,
                 "sealed": self.num_sealed, "cached": self.num_cached,
                 "indexed": len(self.tables.index), **self.counters}

@@ -12,10 +12,13 @@ and checkpoints never wait for a disk.
 The map is kept as an append-only log of packed records (a log-structured design, as in
 Rosenblum and Ousterhout's LFS), not as one table row per block:
 
-    stamp(key, value)   journal/layout/hash versions, geometry, segment uuid, boot id
-    log(chunk_id PK, key_width, records)
+    stamp(key, value)   journal/layout/hash versions, geometry, segment uuid, boot id, and a
+                        checksum of them all
+    log(chunk_id PK, key_width, records, seal_seq, checksum)
                         one row -- a *chunk* -- per group commit or compaction step; `records`
-                        packs at most MAX_CHUNK_RECORDS records of 35 + key_width bytes:
+                        packs at most MAX_CHUNK_RECORDS records of 35 + key_width bytes;
+                        seal_seq is the journal's seal counter once the chunk was written;
+                        checksum a CRC-32 of the other four:
 
     record (little-endian, unaligned: one NumPy structured dtype decodes a whole log at once)
       offset  bytes  field
@@ -44,6 +47,25 @@ Generations make the rows self-checking: a block's generation changes whenever i
 recovery restores a row only if the segment still shows the generation the row recorded, and
 links a child under its parent only if the parent is the same residency the child was sealed
 under -- a parent block evicted and reused for other content is never mistaken for the old one.
+
+Damage (a flipped bit in the database or its WAL) must never restore a row onto bytes it does not
+describe. Three checks, each for what the others cannot see:
+  * every chunk carries a CRC-32 of its id, key width, seal counter and records: a flip anywhere
+    in a row (a block id, a key, a generation, a parent, a tier) fails it, and `load` drops the
+    chunk (its blocks' older records, if any, then fail the generation check: a miss, never
+    wrong bytes). Per chunk, not per record: one zlib call per commit on the commit path, and
+    the C packing stays as it is. The stamp carries one too.
+  * generations start at a random base per block (kvd/segment.py), so a record that names the
+    wrong block -- damage the CRC missed -- cannot match that block's counter, and successive
+    SEAL records of one block must carry rising generations: a live record not above an older
+    one of its block is a duplicate claim, dropped.
+  * the segment header keeps the seal counter of the last acknowledged commit (the journal
+    hands it to `on_commit` after each commit, before any reply): a log whose chunks end at a
+    lower counter lost acknowledged seals -- the WAL's own checksums silently drop every frame
+    after a damaged one -- and `load` says how many. SQLite's quick_check covers the B-tree
+    itself (a page that lost a cell loses whole chunks without failing any CRC).
+Compaction never cleans the newest chunk, so the log's highest seal counter is always that of
+its last write.
 
 Compaction keeps the log, and so recovery, bounded. Superseded SEAL records and tombstones are
 dead weight; the journal knows in memory which chunk holds each block's live SEAL record
@@ -111,16 +133,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import struct
+import zlib
 from array import array
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from functools import cache
-from itertools import repeat
+from itertools import count, islice, repeat
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -133,18 +158,23 @@ FAILPOINTS = ("before-commit", "after-commit-before-reply", "mid-eviction", "dur
               "mid-compaction")
 JOURNAL_FILENAME = "journal.sqlite3"
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS stamp (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS log (
+_LOG_TABLE = """CREATE TABLE IF NOT EXISTS log (
     chunk_id INTEGER PRIMARY KEY,
     key_width INTEGER NOT NULL,
-    records BLOB NOT NULL
-);
+    records BLOB NOT NULL,
+    seal_seq INTEGER NOT NULL,
+    checksum INTEGER NOT NULL
+)"""
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS stamp (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+{_LOG_TABLE};
 """
 # Bumped whenever the schema changes: a journal of another version never matches the stamp.
-JOURNAL_VERSION = 3
+JOURNAL_VERSION = 4
 
-_INSERT_CHUNK = "INSERT INTO log VALUES (?, ?, ?)"
+_INSERT_CHUNK = "INSERT INTO log VALUES (?, ?, ?, ?, ?)"
+_SELECT_CHUNKS = "SELECT chunk_id, key_width, records, seal_seq, checksum FROM log"
+_CHUNK_META = struct.Struct("<qqQ")  # what a chunk's checksum covers besides its records
 
 SEAL, EVICT = 1, 2
 _HEADER_FIELDS = [("seal_seq", "<u8"), ("generation", "<u8"), ("parent_generation", "<u8"),
@@ -203,6 +233,54 @@ def _records(evictions: list[int], seals: dict[int, JournalRow],
                           [block_id for block_id in evictions if block_id not in seals],
                           repeat(EVICT))
     return key_width, b"".join(records)
+
+
+def _checksum(chunk_id: int, key_width: int, seal_seq: int, records: bytes) -> int:
+    """A chunk's CRC-32: of its records, then of its id, key width and seal counter."""
+    return zlib.crc32(_CHUNK_META.pack(chunk_id, key_width, seal_seq), zlib.crc32(records))
+
+
+def _stamp_checksum(stamp: dict[str, Any]) -> int:
+    return zlib.crc32(json.dumps(stamp, sort_keys=True).encode())
+
+
+STAMP_CHECKSUM = "checksum"  # the stamp's own key for its checksum
+
+
+@dataclass
+class Damage:
+    """What `Journal.load` found wrong with the log and left out (all zero: nothing)."""
+
+    num_chunks: int = 0  # chunks read
+    bad_chunks: int = 0  # failed their checksum, or held no whole records
+    bad_records: int = 0  # records in those, as far as their sizes tell
+    duplicate_claims: int = 0  # live records a block or key had already been claimed by
+    unreadable: str = ""  # SQLite's error where reading the log stopped short
+    check: str = ""  # the first complaint of SQLite's quick_check
+
+    def describe(self) -> list[str]:
+        """One phrase per kind of damage found (none: the log is sound)."""
+        found = []
+        if self.check:
+            found.append(f"SQLite's check found {self.check!r}")
+        if self.unreadable:
+            found.append(f"reading it stopped after {self.num_chunks} chunks ({self.unreadable})")
+        if self.bad_chunks:
+            found.append(f"{self.bad_chunks} of {self.num_chunks} chunks failed their checksum "
+                         f"({self.bad_records} records dropped)")
+        if self.duplicate_claims:
+            found.append(f"{self.duplicate_claims} duplicate claims on a block or hash "
+                         "dropped")
+        return found
+
+
+class Loaded(NamedTuple):
+    """What `Journal.load` read: the rows that check out, the seal counter the log ends at, and
+    what it left out."""
+
+    rows: IndexRows
+    seal_seq: int
+    damage: Damage
 
 
 _c = native.load("journal")  # kvd/server/_journal.c, or None where the Python runs
@@ -300,6 +378,20 @@ class Journal:
         self.compact_budget = compact_budget
         # Read once (os.environ costs ~1 us a look, on every commit).
         self._fail_file = os.environ.get("KVD_JOURNAL_FAIL_FILE")
+        self._open()
+        self._num_wal_nbytes = 0  # about what the WAL holds since the last checkpoint
+        # Pending seals by block id: an eviction of a block sealed since the last commit drops
+        # its seal here (tombstones are written first, so a buffered seal would outlive it).
+        self._seals: dict[int, JournalRow] = {}
+        self._evictions: list[int] = []
+        self._num_seals_pending = 0
+        self._log: _LogState | None = None  # None: unknown, rebuilt from the database when needed
+        # Told the seal counter after each commit or rewrite, before any reply (the daemon
+        # writes it into the segment's header: kvd/segment.py).
+        self.on_commit: Callable[[int], None] | None = None
+        self._committed_seal_seq = 0  # the counter on_commit was last told: rewrite goes on from it
+
+    def _open(self) -> None:
         try:
             _make_private(self.path)
             self._db = sqlite3.connect(self.path, isolation_level=None)
@@ -314,16 +406,10 @@ class Journal:
             # reply's path: tidy() checkpoints first; this one is only a backstop.
             self._db.execute(f"PRAGMA wal_autocheckpoint={2 * CHECKPOINT_NBYTES // PAGE_NBYTES}")
             self._db.executescript(_SCHEMA)
-        except (sqlite3.Error, OSError) as exc:
+        # (ValueError: a damaged schema's message is not always UTF-8)
+        except (sqlite3.Error, OSError, ValueError) as exc:
             raise JournalError(f"cannot open the journal {self.path}: {exc}") from None
         self._cursor = self._db.cursor()  # reused: conn.execute() makes a cursor per call
-        self._num_wal_nbytes = 0  # about what the WAL holds since the last checkpoint
-        # Pending seals by block id: an eviction of a block sealed since the last commit drops
-        # its seal here (tombstones are written first, so a buffered seal would outlive it).
-        self._seals: dict[int, JournalRow] = {}
-        self._evictions: list[int] = []
-        self._num_seals_pending = 0
-        self._log: _LogState | None = None  # None: unknown, rebuilt from the database when needed
 
     # ---- the pool observer interface (called from BlockPool) ------------------------------
     def sealed(self, rows: list[JournalRow]) -> None:
@@ -371,6 +457,7 @@ class Journal:
         # of the records: evictions of blocks sealed again leave no tombstone.)
         self._transaction(lambda: self._append(self._log_state(), evictions, seals),
                           is_atomic=len(evictions) + len(seals) <= MAX_CHUNK_RECORDS)
+        self._committed()
         failpoint("after-commit-before-reply")
 
     def tidy(self) -> None:
@@ -393,6 +480,8 @@ class Journal:
         tier), oldest first — after a failed commit lost some changes."""
         self._clear_pending()
         fresh = _LogState()
+        # Numbered on from the last counter the segment was told, never below it.
+        fresh.seal_seq = self._committed_seal_seq
 
         def replace_all() -> None:
             self._db.execute("DELETE FROM log")
@@ -400,9 +489,17 @@ class Journal:
 
         self._transaction(replace_all)
         self._log = fresh
+        self._committed()
 
     def _clear_pending(self) -> None:
         self._seals, self._evictions, self._num_seals_pending = {}, [], 0
+
+    def _committed(self) -> None:
+        """Tell on_commit the seal counter the log now ends at (module docstring)."""
+        assert self._log is not None  # (a commit succeeded: the log is known)
+        self._committed_seal_seq = self._log.seal_seq
+        if self.on_commit is not None:
+            self.on_commit(self._committed_seal_seq)
 
     def _transaction(self, body: Any, is_atomic: bool = False) -> None:
         """Run `body` in a transaction; JournalError if it fails.
@@ -417,7 +514,7 @@ class Journal:
             self._cursor.execute("BEGIN")
             body()
             self._cursor.execute("COMMIT")
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, ValueError) as exc:  # (ValueError: a message quoting damaged bytes)
             self._rollback()
             self._log = None  # it may have seen changes that were rolled back
             raise JournalError(f"journal write to {self.path} failed: {exc}") from None
@@ -444,9 +541,9 @@ class Journal:
         key_width, records = packed or _records(evictions, seals, log.seal_seq + 1)
         step = MAX_CHUNK_RECORDS * (_HEADER_NBYTES + key_width)
         first_chunk_id = log.next_chunk_id
+        log.seal_seq += len(seals)  # (before the chunks, which carry it)
         written = self._write_chunks(  # (a slice of all of a bytes object is no copy)
             log, key_width, [records[start:start + step] for start in range(0, len(records), step)])
-        log.seal_seq += len(seals)
         log.num_appended += len(records) // (_HEADER_NBYTES + key_width)
         # In C the chunks apply at once (~0.5 us per record less than settle's NumPy pass at
         # batch 16) -- unless older ones still wait for settle(), which must apply first.
@@ -460,14 +557,15 @@ class Journal:
 
     def _write_chunks(self, log: _LogState, key_width: int,
                       blobs: list[bytes]) -> list[tuple[int, int, bytes]]:
-        """Insert `blobs` as the next chunks, each of whole records of `key_width`; returns
-        them as (chunk id, key width, records)."""
+        """Insert `blobs` as the next chunks, each of whole records of `key_width`, with the
+        log's seal counter and their checksums; returns them as (chunk id, key width, records)."""
         record_nbytes = _HEADER_NBYTES + key_width
         written = []
         for blob in blobs:  # one execute per chunk: cheaper than executemany for the usual one
-            row = (log.next_chunk_id, key_width, blob)
-            self._cursor.execute(_INSERT_CHUNK, row)
-            written.append(row)
+            chunk_id, seal_seq = log.next_chunk_id, log.seal_seq
+            self._cursor.execute(_INSERT_CHUNK, (chunk_id, key_width, blob, seal_seq,
+                                                 _checksum(chunk_id, key_width, seal_seq, blob)))
+            written.append((chunk_id, key_width, blob))
             log.chunks.append((log.next_chunk_id, len(blob) // record_nbytes))
             log.num_records += len(blob) // record_nbytes
             log.next_chunk_id += 1
@@ -475,13 +573,16 @@ class Journal:
         return written
 
     def _compact(self, log: _LogState, budget: int) -> None:
-        """Clean the oldest chunks worth about `budget` records: keep their live records only."""
+        """Clean the oldest chunks worth about `budget` records, all but the newest (whose seal
+        counter is the log's: module docstring): keep their live records only."""
         num_chunks, num_scanned = 0, 0
-        for _, num_records in log.chunks:
+        for _, num_records in islice(log.chunks, len(log.chunks) - 1):
             if num_scanned >= budget:
                 break
             num_chunks += 1
             num_scanned += num_records
+        if not num_chunks:
+            return
         first, last = log.chunks[0][0], log.chunks[num_chunks - 1][0]
         rows = self._db.execute("SELECT chunk_id, key_width, records FROM log "
                                 "WHERE chunk_id BETWEEN ? AND ? ORDER BY chunk_id",
@@ -504,8 +605,8 @@ class Journal:
 
     def _log_state(self) -> _LogState:
         if self._log is None:
-            self._log = _scan(self._db.execute(
-                "SELECT chunk_id, key_width, records FROM log ORDER BY chunk_id").fetchall())[1]
+            damage = Damage()
+            self._log = _scan(_checked(self._read_chunks(damage), damage), damage)[1]
         return self._log
 
     # ---- stamp and recovery ----------------------------------------------------------------
@@ -514,27 +615,76 @@ class Journal:
             JournalError: the stamp cannot be read (a damaged row or table)."""
         try:
             rows = self._db.execute("SELECT key, value FROM stamp").fetchall()
-            return {key: json.loads(value) for key, value in rows}
+            found = {key: json.loads(value) for key, value in rows}
+            checksum = found.pop(STAMP_CHECKSUM, None)
+            # (a journal of an older version has none: it fails the version check instead)
+            if found and (checksum is not None or found.get("journal_version") == JOURNAL_VERSION) \
+                    and checksum != _stamp_checksum(found):
+                raise ValueError("its checksum does not match")
+            return found
         except (sqlite3.Error, ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
             raise JournalError(f"the stamp of the journal {self.path} cannot be read "
                                f"({exc})") from None
 
     def reset(self, stamp: dict[str, Any]) -> None:
-        """Forget every block and record a new stamp (a clean start)."""
-        self._clear_pending()
-        self._db.execute("BEGIN")
-        self._db.execute("DELETE FROM log")
-        self._db.execute("DELETE FROM stamp")
-        self._db.executemany("INSERT INTO stamp VALUES (?, ?)",
-                             [(key, json.dumps(value)) for key, value in stamp.items()])
-        self._db.execute("COMMIT")
-        self._log = _LogState()
+        """Forget every block and record a new stamp (a clean start). The log table is made
+        anew, in this version's schema, whatever version made the old one.
 
-    def load(self) -> IndexRows:
-        """Every journaled block, oldest seal first (columns as NumPy arrays, keys as bytes)."""
-        rows, self._log = _scan(self._db.execute(
-            "SELECT chunk_id, key_width, records FROM log ORDER BY chunk_id").fetchall())
+        Raises:
+            JournalError: the database could not be written (damaged, say)."""
+        self._clear_pending()
+
+        def replace_all() -> None:
+            self._db.execute("DROP TABLE IF EXISTS log")
+            self._db.execute(_LOG_TABLE)
+            self._db.execute("DELETE FROM stamp")
+            self._db.executemany("INSERT INTO stamp VALUES (?, ?)",
+                                 [(key, json.dumps(value)) for key, value in stamp.items()]
+                                 + [(STAMP_CHECKSUM, json.dumps(_stamp_checksum(stamp)))])
+
+        self._transaction(replace_all)
+        self._log = _LogState()
+        self._committed_seal_seq = 0
+
+    def load(self) -> Loaded:
+        """Every journaled block that checks out, oldest seal first (columns as NumPy arrays,
+        keys as bytes), the seal counter the log ends at, and what was left out: chunks that
+        fail their checksum, duplicate claims, and whatever SQLite could not read."""
+        damage = Damage()
+        try:
+            (verdict,) = self._db.execute("PRAGMA quick_check(1)").fetchone()
+            if verdict != "ok":
+                damage.check = str(verdict)
+        except (sqlite3.Error, ValueError) as exc:  # (a message quoting damaged bytes)
+            damage.check = str(exc)
+        rows, self._log = _scan(_checked(self._read_chunks(damage), damage), damage)
+        self._committed_seal_seq = self._log.seal_seq
+        return Loaded(rows, self._log.seal_seq, damage)
+
+    def _read_chunks(self, damage: Damage) -> list[tuple[Any, ...]]:
+        """Every chunk SQLite can read, in order: where it fails, the chunks before the failure
+        (the error goes in `damage`)."""
+        rows: list[tuple[Any, ...]] = []
+        # A damaged row may hold TEXT that is not UTF-8: as bytes it only fails its checksum.
+        self._db.text_factory = bytes
+        try:
+            cursor = self._db.execute(f"{_SELECT_CHUNKS} ORDER BY chunk_id")
+            while batch := cursor.fetchmany(1024):
+                rows += batch
+        except (sqlite3.Error, ValueError) as exc:  # (a message quoting damaged bytes)
+            damage.unreadable = str(exc)
+        finally:
+            self._db.text_factory = str
         return rows
+
+    def set_aside(self) -> Path:
+        """Keep the journal's files as they are (set_aside_files) and open an empty journal in
+        their place; returns where they went. Copied before the connection closes: closing
+        checkpoints the WAL into the database file, which would lose what it could not read."""
+        aside = set_aside_files(self.state_dir, close=self.close)
+        self._open()
+        self._log = None
+        return aside
 
     def close(self) -> None:
         self._db.close()
@@ -556,14 +706,41 @@ def _make_private(path: Path) -> None:
             pass
 
 
-def remove_journal(state_dir: str | os.PathLike[str]) -> None:
-    """Delete the journal files in `state_dir`, and the directory if that empties it."""
+def set_aside_files(state_dir: str | os.PathLike[str],
+                    close: Callable[[], None] | None = None) -> Path:
+    """Copy the journal files in `state_dir` to `journal.sqlite3.damaged-N` (its -wal beside it,
+    so that SQLite opens the two together), call `close` (the open connection's), and delete
+    them; returns the copy's name. Raises JournalError if they cannot be copied."""
+    path = Path(state_dir) / JOURNAL_FILENAME
+    for number in count(1):
+        aside = path.with_name(f"{JOURNAL_FILENAME}.damaged-{number}")
+        if not any(os.path.lexists(f"{aside}{suffix}") for suffix in ("", "-wal")):
+            break
+    try:
+        for suffix in ("", "-wal"):
+            if os.path.exists(f"{path}{suffix}"):
+                shutil.copyfile(f"{path}{suffix}", f"{aside}{suffix}")
+                os.chmod(f"{aside}{suffix}", 0o600)
+    except OSError as exc:
+        raise JournalError(f"cannot copy the damaged journal {path} aside ({exc}), so it is kept "
+                           f"as it was: make room in {path.parent}, or move it away") from None
+    if close is not None:
+        close()
+    remove_journal(state_dir, keep_dir=True)
+    return aside
+
+
+def remove_journal(state_dir: str | os.PathLike[str], keep_dir: bool = False) -> None:
+    """Delete the journal files in `state_dir`, and the directory if that empties it (unless
+    `keep_dir`). Damaged journals set aside there are kept (and so is the directory)."""
     path = Path(state_dir) / JOURNAL_FILENAME
     for suffix in ("", "-wal", "-shm"):
         try:
             os.unlink(f"{path}{suffix}")
         except FileNotFoundError:
             pass
+    if keep_dir:
+        return
     try:
         Path(state_dir).rmdir()
     except OSError:
@@ -583,7 +760,7 @@ def _live_records(log: _LogState, rows: list[tuple[int, int, bytes]]) -> dict[in
     return {key_width: np.concatenate(parts) for key_width, parts in live.items()}
 
 
-def _runs(rows: list[tuple[int, int, bytes]]) -> list[tuple[np.ndarray, np.ndarray]]:
+def _runs(rows: Sequence[tuple[Any, ...]]) -> list[tuple[np.ndarray, np.ndarray]]:
     """Decode chunks, oldest first: (records, chunk id of each) per run of one key width."""
     runs, start = [], 0
     for end in range(1, len(rows) + 1):
@@ -607,8 +784,35 @@ def _column(runs: list[tuple[np.ndarray, np.ndarray]], name: str) -> np.ndarray:
     return _joined([records[name] for records, _ in runs]) if runs else np.zeros(0, np.int64)
 
 
-def _scan(rows: list[tuple[int, int, bytes]]) -> tuple[IndexRows, _LogState]:
-    """Replay a whole log: the live rows, oldest seal first, and the state to append after it.
+def _checked(rows: list[tuple[Any, ...]], damage: Damage) -> list[tuple[int, int, bytes, int]]:
+    """The chunks of `rows` (as SELECTed) whose checksum holds, as (chunk id, key width,
+    records, seal counter); the others are counted in `damage`. (A damaged row may hold values
+    of any type: whatever fails to check, fails.)"""
+    checked = []
+    for row in rows:
+        try:
+            chunk_id, key_width, records, seal_seq, checksum = row
+            is_whole = 0 <= key_width <= MAX_KEY_NBYTES and type(records) is bytes \
+                and len(records) % (_HEADER_NBYTES + key_width) == 0
+            is_good = is_whole and checksum == _checksum(chunk_id, key_width, seal_seq, records)
+        except (TypeError, ValueError, OverflowError, struct.error):
+            is_good = False
+        if is_good:
+            checked.append((chunk_id, key_width, records, seal_seq))
+            continue
+        damage.bad_chunks += 1
+        try:
+            damage.bad_records += len(row[2]) // (_HEADER_NBYTES + row[1])
+        except (TypeError, ZeroDivisionError):
+            pass  # no size to tell
+    damage.num_chunks += len(rows)
+    return checked
+
+
+def _scan(rows: list[tuple[int, int, bytes, int]],
+          damage: Damage) -> tuple[IndexRows, _LogState]:
+    """Replay a whole log of checked chunks: the live rows, oldest seal first, and the state to
+    append after it; duplicate claims are left out, counted in `damage`.
 
     Only the columns that pick the live rows are read whole (block id, kind, seal order); the
     rest are read at the live rows only (copying and widening every column of a 2M-record log
@@ -617,8 +821,10 @@ def _scan(rows: list[tuple[int, int, bytes]]) -> tuple[IndexRows, _LogState]:
     block_ids = _column(runs, "block_id")
     last = np.full(int(block_ids.max(initial=-1)) + 1, -1, dtype=np.int64)
     np.maximum.at(last, block_ids, np.arange(block_ids.size))  # each block's last record
+    kinds = _column(runs, "kind")
     live = last[last >= 0]
-    live = live[_column(runs, "kind")[live] == SEAL]
+    live = live[kinds[live] == SEAL]
+    live = _unclaimed(runs, block_ids, kinds, last, live, damage)
     seal_seqs = _column(runs, "seal_seq")
     live = live[np.argsort(seal_seqs[live], kind="stable")]
 
@@ -633,7 +839,7 @@ def _scan(rows: list[tuple[int, int, bytes]]) -> tuple[IndexRows, _LogState]:
     state.chunk_of = array("q", chunk_of.tobytes())
     state.chunks = deque((row[0], len(row[2]) // _record_dtype(row[1]).itemsize) for row in rows)
     state.num_records, state.num_live = block_ids.size, live.size
-    state.seal_seq = int(seal_seqs.max(initial=0))
+    state.seal_seq = max((row[3] for row in rows), default=0)
     state.next_chunk_id = rows[-1][0] + 1 if rows else 1
     # NumPy columns, which IndexRows takes (its docstring) though NumPy does not type them as
     # the Sequence[int] its fields name.
@@ -641,6 +847,27 @@ def _scan(rows: list[tuple[int, int, bytes]]) -> tuple[IndexRows, _LogState]:
                           picked("parent", np.int64), picked("parent_generation", np.uint64),
                           picked("tier", np.uint8)]
     return IndexRows(*columns), state
+
+
+def _unclaimed(runs: list[tuple[np.ndarray, np.ndarray]], block_ids: np.ndarray,
+               kinds: np.ndarray, last: np.ndarray, live: np.ndarray,
+               damage: Damage) -> np.ndarray:
+    """`live` (positions of each block's last record, a SEAL) less those whose block an older
+    SEAL record claimed at the same or a higher generation: a block's generation rises every
+    time it is freed, so in a sound log its SEAL records rise too (module docstring)."""
+    seals = np.flatnonzero(kinds == SEAL)
+    older = seals[last[block_ids[seals]] != seals]
+    if not older.size:
+        return live
+    generations = _column(runs, "generation")
+    highest = np.zeros(last.size, dtype=np.uint64)
+    np.maximum.at(highest, block_ids[older], generations[older])
+    has_older = np.zeros(last.size, dtype=bool)
+    has_older[block_ids[older]] = True
+    live_blocks = block_ids[live]
+    is_claimed = has_older[live_blocks] & (generations[live] <= highest[live_blocks])
+    damage.duplicate_claims += int(np.count_nonzero(is_claimed))
+    return live[~is_claimed]
 
 
 def _keys(runs: list[tuple[np.ndarray, np.ndarray]], positions: np.ndarray) -> list[Hashable]:

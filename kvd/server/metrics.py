@@ -104,11 +104,17 @@ class KvdCollector:
 
     def collect(self) -> Iterator[Any]:
         stats = self._stats()
-        blocks = GaugeMetricFamily("kvd_blocks", "Blocks by state", labels=["state"])
-        for state in ("free", "owned", "sealed", "cached"):
-            blocks.add_metric([state], stats[state])
+        # Every block and hit metric carries its pool (a single-pool daemon's is "default").
+        pools = stats.get("pools") or {"default": stats}
+        blocks = GaugeMetricFamily("kvd_blocks", "Blocks by state", labels=["pool", "state"])
+        pool_blocks = GaugeMetricFamily("kvd_pool_blocks", "Blocks the pool holds now",
+                                        labels=["pool"])
+        for name, each in pools.items():
+            for state in ("free", "owned", "sealed", "cached"):
+                blocks.add_metric([name, state], each[state])
+            pool_blocks.add_metric([name], each["num_blocks"])
         yield blocks
-        yield GaugeMetricFamily("kvd_pool_blocks", "Blocks in the pool", value=stats["num_blocks"])
+        yield pool_blocks
         yield GaugeMetricFamily("kvd_sessions", "Connected sessions", value=stats["sessions"])
         yield GaugeMetricFamily("kvd_sequences", "Open sequences", value=stats["sequences"])
         yield GaugeMetricFamily("kvd_journal_writable", "1 unless journal writes are failing "
@@ -123,6 +129,12 @@ class KvdCollector:
             ("kvd_prefix_hit_blocks", "hit_blocks", "Blocks found by lookups (prefix hits)"),
             ("kvd_prompt_tokens", "prompt_tokens", "Tokens of opened sequences"),
             ("kvd_prefix_hit_tokens", "cached_tokens", "Prompt tokens served from the cache"),
+        ):
+            counter = CounterMetricFamily(name, text, labels=["pool"])
+            for pool, each in pools.items():
+                counter.add_metric([pool], each[key])
+            yield counter
+        for name, key, text in (
             ("kvd_sessions_opened", "sessions_opened", "Sessions opened"),
             ("kvd_sessions_closed", "sessions_closed", "Sessions closed (any reason)"),
             ("kvd_journal_commits", "journal_commits",

@@ -14,28 +14,39 @@ could check, so the start fails (JournalError) and keeps segment and journal as 
     geometry    it has the geometry this start asks for
     stamp       the journal's stamp names this segment's uuid, boot id and geometry, and this
                 kvd's journal, layout and hash versions (`stamp`: written when a segment is made)
-    load        the journal reads back whole
+    load        the journal reads back (Journal.load: what it cannot prove is left out)
 
-The caller then restores the rows into a fresh pool over the segment's generation counters
+`restore` then puts the rows into a fresh pool over the segment's generation counters
 (`BlockPool.restore` keeps only rows whose generation still matches and whose parent came back),
-and bumps the generation of every block left FREE (`bump_free_generations`), so that a block id
-a worker held across the crash is detectably stale.
+and bumps the generation of every block left FREE, so that a block id a worker held across the
+crash is detectably stale.
+
+Damage is never restored and never hidden. Journal.load leaves out chunks that fail their
+checksum and blocks claimed twice, `restore` rows that claim one hash twice at current
+generations (with them go their descendants: a child is restored only under its parent), and
+the segment's acknowledged-seals counter says whether the log lost commits from its end (the WAL
+drops every frame after a damaged one). Any of these makes the recovery's log line a warning
+that says what was lost, and sets the journal's files aside (`journal.sqlite3.damaged-N`, named
+in that line) before a fresh journal is written from what was restored: a damaged journal is
+never deleted, and never appended to. A journal that cannot be read at all, or that the pool
+refuses, is set aside too, and the daemon starts clean.
 """
 
 from __future__ import annotations
 
 import logging
 import sqlite3
+from collections import Counter
 from typing import Any
 
 import numpy as np
 
 from kvd.core.pool import BlockPool, IndexRows
-from kvd.errors import DeniedError, JournalError, KvdError
+from kvd.errors import BadArgsError, DeniedError, JournalError, KvdError
 from kvd.geometry import Geometry
 from kvd.hashing import HASH_VERSION
 from kvd.segment import LAYOUT_VERSION, Segment, current_boot_id
-from kvd.server.journal import JOURNAL_VERSION, Journal
+from kvd.server.journal import JOURNAL_VERSION, Damage, Journal, Loaded
 
 log = logging.getLogger("kvd")
 
@@ -49,8 +60,13 @@ def stamp(segment: Segment) -> dict[str, Any]:
 
 
 def attach_recoverable(segment_name: str, geometry: Geometry,
-                       journal: Journal) -> tuple[Segment, IndexRows] | None:
-    """The previous segment and its journaled blocks, or None (logged) to start clean."""
+                       journal: Journal) -> tuple[Segment, Loaded] | None:
+    """The previous segment and its journaled blocks, or None (logged) to start clean.
+
+    Raises:
+        JournalError: the stamp cannot be read, or a journal that cannot be read could not be
+            set aside: both are kept as they were.
+    """
     try:
         segment = Segment.attach(segment_name)
     except DeniedError:  # not ours to map, nor to replace: the start is refused, saying why
@@ -79,12 +95,70 @@ def attach_recoverable(segment_name: str, geometry: Geometry,
             return segment, journal.load()
         except (JournalError, sqlite3.Error, ValueError) as exc:  # unreadable: never map it
             reason = f"the journal in {journal.path} cannot be read ({exc})"
+            try:
+                reason += f"; it is kept as {journal.set_aside()}"
+            except JournalError:
+                segment.close()
+                raise
     log.warning("recovery: %s; starting clean", reason)
     segment.close()
     return None
 
 
-def bump_free_generations(pool: BlockPool, generations: np.ndarray) -> None:
-    """After recovery every block that was not restored is FREE: make stale ids detectable."""
+def restore(pool: BlockPool, segment: Segment, journal: Journal, loaded: Loaded) -> int:
+    """Restore `loaded` into a fresh `pool` over `segment` and log what came back; where anything
+    was damaged or lost, say so and write a fresh journal of what was restored (module
+    docstring). Returns the blocks restored.
+
+    Raises:
+        BadArgsError: rows the pool cannot take (a corrupt journal): nothing restored.
+        JournalError: a damaged journal could not be set aside (so it is kept as it was).
+    """
+    damage, rows = loaded.damage, loaded.rows
+    acknowledged = segment.acknowledged_seals
+    try:
+        num_restored = pool.restore(rows)
+    except BadArgsError:  # (before restoring anything) a hash claimed twice, say: drop those
+        rows = _without_duplicate_keys(rows, segment.generations, damage)
+        if len(rows.keys) == len(loaded.rows.keys):
+            raise
+        num_restored = pool.restore(rows)
     is_free = np.frombuffer(pool.states(), dtype=np.uint8) == 0
-    generations[is_free] += 1
+    segment.generations[is_free] += 1  # a block id a worker held across the crash is stale
+    text = (f"recovered segment {segment.name}: {num_restored} of {len(rows.block_ids)} journaled "
+            f"blocks restored from {journal.path}")
+    problems = damage.describe()
+    if acknowledged > loaded.seal_seq:
+        problems.append(f"it ends at seal {loaded.seal_seq} where the segment counted "
+                        f"{acknowledged} acknowledged: {acknowledged - loaded.seal_seq} "
+                        "acknowledged seals lost")
+    if not problems:
+        log.info("%s", text)
+        return num_restored
+    aside = journal.set_aside()
+    segment.acknowledged_seals = 0  # what the fresh journal holds until its rewrite commits
+    journal.reset(stamp(segment))
+    journal.rewrite(pool.journal_rows())
+    log.warning("%s; the journal was damaged: %s; its files are kept as %s", text,
+                "; ".join(problems), aside)
+    return num_restored
+
+
+def _without_duplicate_keys(rows: IndexRows, generations: np.ndarray,
+                            damage: Damage) -> IndexRows:
+    """`rows` less every row whose hash another row claims at the generation the segment shows:
+    a sound log has one such row per hash (an older one names a block freed since), so which of
+    two to believe is unknown; both go, counted in `damage`."""
+    keys = rows.keys
+    ids = np.asarray(rows.block_ids, dtype=np.int64)
+    is_current = (ids >= 0) & (ids < generations.size)
+    is_current[is_current] = generations[ids[is_current]] \
+        == np.asarray(rows.generations, dtype=np.uint64)[is_current]
+    current = is_current.tolist()
+    claims = Counter(key for key, is_claim in zip(keys, current) if is_claim)
+    keep = np.array([not (is_claim and claims[key] > 1) for key, is_claim in zip(keys, current)],
+                    dtype=bool)
+    damage.duplicate_claims += int(np.count_nonzero(~keep))
+    columns: list[Any] = [np.asarray(column)[keep] for column in rows]
+    columns[1] = [key for key, is_kept in zip(keys, keep.tolist()) if is_kept]
+    return IndexRows(*columns)

@@ -12,6 +12,12 @@ ops (alloc, seal, lookup, release, pin: a worker's traffic) declare their argume
 and `protocol.call_hot` checks a request against it and calls the handler with the checked
 values, both in one C call (kvd/protocol/_wire.c); the others validate their own `args`.
 
+Pools: a daemon may serve several pools (kvd/server/config.py), each with its own pool, page
+table and hash namespace. A session addresses the pool it chose at `hello` (`pool`, default the
+daemon's first pool, named `default` for the single-pool flags) with the plain op names, and any
+pool NAME with `OP@NAME` (`alloc@draft`, `seq_open@draft`): one dict lookup either way, the
+session holding the op table of its pool, so a single-pool request pays nothing for the others.
+
 Sessions: a session is one connection. It must say `hello` (protocol version) first. Its raw
 `alloc`/`lookup`/`pin` pins are held under the session's pool owner id; each sequence it opens
 holds its pins under an owner id of its own. `close_session` — on EOF, on the peer's pidfd
@@ -54,11 +60,26 @@ MAX_SALT_NBYTES = 256
 DEBUG_ENV = "KVD_DEBUG"
 
 
+@dataclass(eq=False)
+class Served:
+    """One pool as the service serves it."""
+
+    name: str
+    pool: BlockPool
+    geometry: Geometry
+    page_table: PageTable
+
+
+HotOps = dict[str, tuple[tuple[ArgField, ...], bool, Callable[..., Any]]]
+
+
 @dataclass
 class Session:
     session_id: int
     pid: int
     uid: int
+    served: Served  # the pool its plain op names address
+    hot: HotOps  # the hot ops: plain names for `served`, OP@NAME for every pool
     is_ready: bool = False  # said hello
     seq_ids: set[int] = field(default_factory=set)
 
@@ -69,8 +90,10 @@ class Service:
     def __init__(self, pool: BlockPool, geometry: Geometry,
                  copy_block: Callable[[int, int], None], info: dict[str, Any],
                  ops: OpStats | None = None,
-                 on_shutdown: Callable[[bool], None] | None = None) -> None:
+                 on_shutdown: Callable[[bool], None] | None = None,
+                 pool_name: str = "default") -> None:
         """Args:
+            pool, geometry: the first pool (`add_pool` adds others), named `pool_name`.
             copy_block: copies one block's bytes to another (fork of unsealed blocks).
             info: facts `hello` returns besides geometry (segment name, uuid, daemon pid, ...).
             ops: per-op request and error counts to report in `stats` (the daemon's).
@@ -81,11 +104,15 @@ class Service:
         # Set while the journal cannot be written: writes fail closed with this reason.
         self.write_error: str | None = None
         self.journal_state = "off"  # "ok" when the daemon journals
-        self.pool = pool
-        self.geometry = geometry
         self.info = info
         self._ids = itertools.count(1)  # session ids and pool owner ids share one space
-        self.page_table = PageTable(pool, geometry.block_size, lambda: next(self._ids), copy_block)
+        self.served: dict[str, Served] = {}
+        self._hot_of: dict[str, HotOps] = {}  # pool name → the hot ops of its sessions
+        self._hot_named: HotOps = {}  # OP@NAME for every pool
+        self.add_pool(pool_name, pool, geometry, copy_block)
+        self.default = self.served[pool_name]
+        self.pool, self.geometry = pool, geometry  # (the first pool's: loop, metrics, journal)
+        self.page_table = self.default.page_table
         self.sessions: dict[int, Session] = {}
         self.started_at = time.time()
         self.remote: Any = None  # the remote tier (kvd/server/remote), if --remote
@@ -95,16 +122,50 @@ class Service:
         self._probed: tuple[bytes, bytes, int | None, list[bytes]] | None = None
         self.counters = {"sessions_opened": 0, "sessions_closed": 0, "journal_commits": 0,
                          "journal_failures": 0}
-        # The hot ops: (schema, whether it writes, handler of the schema's values then the
-        # session's owner id): the pool's own methods where nothing else is to do, no frame
-        # between (the pool does a one-block request in C where that runs).
+        self._ops: dict[str, Callable[[Session, dict[str, Any]], Any]] = {
+            "hello": self._hello, "stats": self._stats, "shutdown": self._shutdown,
+        }
+        # Ops of one pool: the session's (plain name) or the one named after '@'.
+        self._pool_ops: dict[str, Callable[[Served, Session, dict[str, Any]], Any]] = {
+            "seq_open": self._seq_open, "seq_extend": self._seq_extend,
+            "seq_commit": self._seq_commit, "seq_fork": self._seq_fork,
+            "seq_close": self._seq_close, "seq_info": self._seq_info,
+        }
+        if os.environ.get(DEBUG_ENV) == "1":
+            self._ops["check_invariants"] = self._check_invariants
+        for op in (*self._hot_of[pool_name], *self._ops, *self._pool_ops):  # the ops timed:
+            self.ops.latency.add(op)  # made-up names are not labels
+
+    def add_pool(self, name: str, pool: BlockPool, geometry: Geometry,
+                 copy_block: Callable[[int, int], None]) -> None:
+        """Serve another pool (before any session opens: the op tables are rebuilt)."""
+        page_table = PageTable(pool, geometry.block_size, lambda: next(self._ids), copy_block)
+        served = self.served[name] = Served(name, pool, geometry, page_table)
+        hot = self._hot_ops(served)
+        self._hot_named.update({f"{op}@{name}": entry for op, entry in hot.items()})
+        self._hot_of[name] = hot
+        for ops in self._hot_of.values():  # (in place: a session holds one of these dicts)
+            ops.update(self._hot_named)
+
+    def _hot_ops(self, served: Served) -> HotOps:
+        """The hot ops of one pool: (schema, whether it writes, handler of the schema's values
+        then the session's owner id): the pool's own methods where nothing else is to do, no
+        frame between (the pool does a one-block request in C where that runs)."""
+        pool = served.pool
         seal = pool.seal
         block_ids = int_list_field("block_ids", MAX_BATCH, pool.num_blocks - 1)
         # kvd.hash_blocks makes 16-byte hashes; MAX_KEY_NBYTES leaves room for other digests.
         hashes = bytes_list_field("hashes", MAX_BATCH, MAX_KEY_NBYTES)
-        self._hot: dict[str, tuple[tuple[ArgField, ...], bool, Callable[..., Any]]] = {
+
+        def alloc(num_blocks: int, owner: int) -> list[int]:
+            block_ids = pool.allocate(num_blocks, owner)
+            if block_ids is None:
+                raise NoSpaceError(served.page_table._no_space(num_blocks))
+            return block_ids
+
+        return {
             "alloc": ((int_field("num_blocks", 0, min(pool.num_blocks, MAX_BATCH)),), True,
-                      self._alloc),
+                      alloc),
             # parents, optional, one per block: the hash of the block before it in its chain
             # (nil for a chain's head), which links it into the pool's prefix tree so that
             # eviction never strands a chain's middle; tiers (0 prefill, 1 decode) for --tiers.
@@ -118,20 +179,11 @@ class Service:
             "release": ((block_ids,), False, pool.release),
             "pin": ((block_ids,), False, pool.pin),
         }
-        self._ops: dict[str, Callable[[Session, dict[str, Any]], Any]] = {
-            "hello": self._hello, "stats": self._stats, "seq_open": self._seq_open,
-            "seq_extend": self._seq_extend, "seq_commit": self._seq_commit,
-            "seq_fork": self._seq_fork, "seq_close": self._seq_close, "seq_info": self._seq_info,
-            "shutdown": self._shutdown,
-        }
-        if os.environ.get(DEBUG_ENV) == "1":
-            self._ops["check_invariants"] = self._check_invariants
-        for op in (*self._hot, *self._ops):  # the ops timed: made-up names are not labels
-            self.ops.latency.add(op)
 
     # ---- sessions ------------------------------------------------------------------------
     def open_session(self, pid: int, uid: int) -> Session:
-        session = Session(next(self._ids), pid, uid)
+        default = self.default
+        session = Session(next(self._ids), pid, uid, default, self._hot_of[default.name])
         self.sessions[session.session_id] = session
         self.counters["sessions_opened"] += 1
         return session
@@ -141,14 +193,18 @@ class Service:
         if self.sessions.pop(session.session_id, None) is None:
             return
         for seq_id in sorted(session.seq_ids, reverse=True):
-            self.page_table.close(self.page_table.sequences[seq_id])
+            for served in self.served.values():
+                record = served.page_table.sequences.get(seq_id)
+                if record is not None:
+                    served.page_table.close(record)
         session.seq_ids.clear()
-        self.pool.release_owner(session.session_id)
+        for served in self.served.values():
+            served.pool.release_owner(session.session_id)
         self.counters["sessions_closed"] += 1
 
     def handle(self, session: Session, op: str, args: dict[str, Any]) -> Any:
         """Run one request. Raises a KvdError for the error reply (UNKNOWN_OP, BAD_ARGS, ...)."""
-        hot = self._hot.get(op)
+        hot = session.hot.get(op)
         if hot is not None and session.is_ready:  # the traffic: checks in one call, then the op
             schema, writes, handler = hot
             if writes and self.write_error is not None:
@@ -156,34 +212,54 @@ class Service:
             return protocol.call_hot(handler, args, schema, session.session_id)
         op_handler = self._ops.get(op)
         if op_handler is None and hot is None:
-            raise UnknownOpError(f"unknown op {op!r}: valid ops are "
-                                 f"{', '.join([*self._ops, *self._hot])}")
+            op_handler = self._pool_op(session, op)
         # (No handler here: a hot op, so the session has not said hello.)
         if op_handler is None or (not session.is_ready and op != "hello"):
             raise ProtocolError(f"say hello (protocol version {PROTOCOL_VERSION}) before {op!r}")
         return op_handler(session, args)
 
+    def _pool_op(self, session: Session, op: str) -> Callable[[Session, dict[str, Any]], Any]:
+        """The handler of a pool's non-hot op: OP for the session's pool, OP@NAME for NAME's."""
+        name, at, pool_name = op.partition("@")
+        served = self._served(pool_name) if at else session.served
+        handler = self._pool_ops.get(name)
+        if handler is None:
+            plain = [op for op in self._hot_of[self.default.name] if "@" not in op]
+            raise UnknownOpError(f"unknown op {op!r}: valid ops are "
+                                 f"{', '.join([*self._ops, *self._pool_ops, *plain])} "
+                                 "(OP@POOL for another pool)")
+        return lambda session, args: handler(served, session, args)
+
+    def _served(self, name: str) -> Served:
+        served = self.served.get(name)
+        if served is None:
+            raise NotFoundError(f"no pool {name!r}: this daemon serves {', '.join(self.served)}")
+        return served
+
     # ---- ops -----------------------------------------------------------------------------
     def _hello(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
-        check_no_extra(args, ("version", "pid"))
+        check_no_extra(args, ("version", "pid", "pool"))
         version = arg_int(args, "version")
         if version != PROTOCOL_VERSION:
             raise VersionError(f"client speaks protocol {version}, daemon speaks "
                                f"{PROTOCOL_VERSION}: install matching kvd versions")
+        pool_name = args.get("pool")
+        if pool_name is not None:
+            if type(pool_name) is not str:
+                raise BadArgsError(f"pool must be a pool name, got {pool_name!r}")
+            session.served = self._served(pool_name)
+            session.hot = self._hot_of[pool_name]
         session.is_ready = True
         return {"session_id": session.session_id, "protocol_version": PROTOCOL_VERSION,
-                "hash_version": HASH_VERSION, "geometry": self.geometry.to_dict(), **self.info}
+                "hash_version": HASH_VERSION, "geometry": session.served.geometry.to_dict(),
+                "pool": session.served.name,
+                "pools": {name: served.geometry.to_dict() for name, served in self.served.items()},
+                **self.info}
 
     def _check_writable(self) -> None:
         if self.write_error is not None:
             raise JournalError(f"the daemon refuses allocations and seals until its journal can "
                                f"be written again ({self.write_error}); lookups and reads go on")
-
-    def _alloc(self, num_blocks: int, owner: int) -> list[int]:
-        block_ids = self.pool.allocate(num_blocks, owner)
-        if block_ids is None:
-            raise NoSpaceError(self.page_table._no_space(num_blocks))
-        return block_ids
 
     def _shutdown(self, session: Session, args: dict[str, Any]) -> None:
         check_no_extra(args, ("keep",))
@@ -210,8 +286,22 @@ class Service:
             "native": native.status(),  # which compiled modules run (kvd/native.py)
             "metrics_port": self.info.get("metrics_port"),  # None: no --metrics-port
             **self._tier_stats(),
+            "pools": {name: self._pool_stats(served) for name, served in self.served.items()},
+            **self._arena_stats(),
             **({"remote": self.remote.stats()} if self.remote is not None else {}),
         }
+
+    @staticmethod
+    def _pool_stats(served: Served) -> dict[str, Any]:
+        """One pool's block counts and counters, policy, geometry and open sequences."""
+        return {**served.pool.stats(), **served.page_table.counters,
+                "policy": served.pool.policy.name,
+                "geometry": served.geometry.to_dict(),
+                "sequences": len(served.page_table.sequences)}
+
+    def _arena_stats(self) -> dict[str, Any]:
+        arena = getattr(self.pool, "arena", None)
+        return {} if arena is None else {"arena": arena.stats()}
 
     def _tier_stats(self) -> dict[str, Any]:
         policy = self.pool.policy
@@ -228,27 +318,35 @@ class Service:
         return [[s.session_id, s.pid, self._num_pins(s)] for s in self.sessions.values()]
 
     def _num_pins(self, session: Session) -> int:
-        return sum(sum(self.pool.holdings(owner).values())
+        return sum(sum(served.pool.holdings(owner).values()) for served in self.served.values()
                    for owner in (session.session_id, *session.seq_ids))
 
     def check_invariants(self) -> None:
-        """The pool's invariants, plus: every pin and sequence belongs to a live session."""
-        self.pool.check_invariants()
+        """Each pool's invariants (and its arena's), plus: every pin and sequence belongs to a
+        live session."""
         seq_ids = set().union(*(s.seq_ids for s in self.sessions.values()))
-        if seq_ids != set(self.page_table.sequences):
-            raise InternalError(f"open sequences {sorted(self.page_table.sequences)} != those of "
+        open_ids: set[int] = set()
+        for served in self.served.values():
+            arena = getattr(served.pool, "arena", None)
+            (served.pool if arena is None else arena).check_invariants()
+            open_ids |= set(served.page_table.sequences)
+            stray = set(served.pool.owners()) - seq_ids - set(self.sessions)
+            if stray:
+                raise InternalError(f"pool {served.name!r} owners {sorted(stray)} are neither "
+                                    "live sessions nor their sequences: a closed session's pins "
+                                    "were not released")
+        if seq_ids != open_ids:
+            raise InternalError(f"open sequences {sorted(open_ids)} != those of "
                                 f"live sessions {sorted(seq_ids)}: a session leaked a sequence")
-        stray = set(self.pool.owners()) - seq_ids - set(self.sessions)
-        if stray:
-            raise InternalError(f"pool owners {sorted(stray)} are neither live sessions nor "
-                                "their sequences: a closed session's pins were not released")
 
     # ---- sequences -----------------------------------------------------------------------
-    def _sequence(self, session: Session, args: dict[str, Any]) -> SequenceRecord:
+    def _sequence(self, served: Served, session: Session, args: dict[str, Any]) -> SequenceRecord:
         seq_id = arg_int(args, "seq_id")
-        if seq_id not in session.seq_ids:
-            raise NotFoundError(f"sequence {seq_id} is not open in this session")
-        return self.page_table.sequences[seq_id]
+        record = served.page_table.sequences.get(seq_id)
+        if seq_id not in session.seq_ids or record is None:
+            raise NotFoundError(f"sequence {seq_id} is not open in this session"
+                                + (f" in pool {served.name!r}" if len(self.served) > 1 else ""))
+        return record
 
     def _tokens(self, args: dict[str, Any], name: str = "tokens") -> bytes:
         tokens = arg_bytes(args, name, 1 << 24)
@@ -262,18 +360,18 @@ class Service:
         return {"seq_id": record.seq_id, "block_ids": record.block_ids,
                 "num_tokens": record.num_tokens, "num_sealed_blocks": record.num_sealed, **extra}
 
-    def _seq_open(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    def _seq_open(self, served: Served, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         self._check_writable()
         tokens, salt, max_cached = self._open_args(args)
-        self._check_length(len(tokens) // 4)
+        self._check_length(served, len(tokens) // 4)
         probed, self._probed = self._probed, None
         hashes = (probed[3] if probed is not None and probed[0] is tokens
                   and probed[1:3] == (salt, max_cached) else None)
-        record, num_cached = self.page_table.open(tokens, salt, max_cached, hashes)
+        record, num_cached = served.page_table.open(tokens, salt, max_cached, hashes)
         session.seq_ids.add(record.seq_id)
         # Remote hits: blocks the remote tier imported for this request (kvd/server/remote).
         num_remote = (len(self.imported.intersection(record.block_ids))
-                      * self.geometry.block_size if self.imported else 0)
+                      * served.geometry.block_size if self.imported else 0)
         return self._describe(record, num_cached_tokens=num_cached, num_remote_tokens=num_remote)
 
     def _open_args(self, args: dict[str, Any]) -> tuple[bytes, bytes, int | None]:
@@ -289,42 +387,43 @@ class Service:
         self._probed = (tokens, salt, max_cached, hashes)
         return hashes
 
-    def _seq_extend(self, session: Session, args: dict[str, Any]) -> list[int]:
+    def _seq_extend(self, served: Served, session: Session, args: dict[str, Any]) -> list[int]:
         self._check_writable()
         check_no_extra(args, ("seq_id", "tokens", "num_computed"))
-        record = self._sequence(session, args)
+        record = self._sequence(served, session, args)
         tokens = self._tokens(args)
         num_computed = arg_int(args, "num_computed", 0, record.num_tokens, record.num_tokens)
-        self._check_length(record.num_tokens + len(tokens) // 4)
-        return self.page_table.extend(record, tokens, num_computed)
+        self._check_length(served, record.num_tokens + len(tokens) // 4)
+        return served.page_table.extend(record, tokens, num_computed)
 
-    def _check_length(self, num_tokens: int) -> None:
-        block_size = self.geometry.block_size
+    @staticmethod
+    def _check_length(served: Served, num_tokens: int) -> None:
+        block_size = served.geometry.block_size
         if -(-num_tokens // block_size) > MAX_BATCH:
             raise BadArgsError(f"a sequence holds at most {MAX_BATCH} blocks "
                                f"({MAX_BATCH * block_size} tokens of block size {block_size}), "
                                f"this one would have {num_tokens} tokens")
 
-    def _seq_commit(self, session: Session, args: dict[str, Any]) -> int:
+    def _seq_commit(self, served: Served, session: Session, args: dict[str, Any]) -> int:
         self._check_writable()
         check_no_extra(args, ("seq_id", "num_computed"))
-        record = self._sequence(session, args)
+        record = self._sequence(served, session, args)
         num_computed = arg_int(args, "num_computed", 0, record.num_tokens, record.num_tokens)
-        return self.page_table.commit(record, num_computed)
+        return served.page_table.commit(record, num_computed)
 
-    def _seq_fork(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    def _seq_fork(self, served: Served, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         self._check_writable()
         check_no_extra(args, ("seq_id",))
-        child = self.page_table.fork(self._sequence(session, args))
+        child = served.page_table.fork(self._sequence(served, session, args))
         session.seq_ids.add(child.seq_id)
         return self._describe(child)
 
-    def _seq_close(self, session: Session, args: dict[str, Any]) -> None:
+    def _seq_close(self, served: Served, session: Session, args: dict[str, Any]) -> None:
         check_no_extra(args, ("seq_id",))
-        record = self._sequence(session, args)
+        record = self._sequence(served, session, args)
         session.seq_ids.discard(record.seq_id)
-        self.page_table.close(record)
+        served.page_table.close(record)
 
-    def _seq_info(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    def _seq_info(self, served: Served, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         check_no_extra(args, ("seq_id",))
-        return self._describe(self._sequence(session, args))
+        return self._describe(self._sequence(served, session, args))

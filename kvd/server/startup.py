@@ -30,7 +30,8 @@ What a release keeps is `Stop.keep`. A plain stop and a failed start remove segm
 Both stay as they were, for the next --recover, after `kvd stop --keep`, after a kvd bug escaped
 the loop, after a --recover start that failed once it had re-attached the crashed daemon's
 segment (a bad flag must not cost the cache), and after a --recover refused because the journal's
-stamp could not be read (what could not be read is never deleted).
+stamp could not be read (what could not be read is never deleted). A damaged journal a start gets
+past is copied aside first (kvd/server/recovery.py).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from types import FrameType
 
 import numpy as np
 
+from kvd.core.arena import Arena
 from kvd.core.policies import make_policy
 from kvd.core.pool import BlockPool
 from kvd.errors import BadArgsError, DeniedError, InUseError, JournalError, KvdError
@@ -58,9 +60,10 @@ from kvd.geometry import Geometry
 from kvd.runtime import SHM_DIR, DaemonPaths, check_ours
 from kvd.runtime import state_dir as state_dir_of
 from kvd.segment import Segment
-from kvd.server.journal import Journal, failpoint, remove_journal
+from kvd.server.journal import Journal, failpoint, remove_journal, set_aside_files
 from kvd.server.metrics import OpStats, serve_metrics
-from kvd.server.recovery import attach_recoverable, bump_free_generations, stamp
+from kvd.server.config import PoolSpec, check_pools
+from kvd.server.recovery import attach_recoverable, restore, stamp
 from kvd.server.remote import (DEFAULT_TIMEOUT_MS, BlockCodec, RemoteTier, SealTap, parse_url,
                                require_redis)
 from kvd.server.service import Service
@@ -79,6 +82,8 @@ class DaemonConfig:
         state_dir: where the journal lives (None: runtime.state_dir(name)).
         recover: re-attach the segment and journal a previous daemon left, if they match.
         journal: keep the crash-recovery journal (off: faster seals, nothing survives).
+        pools: several pools (kvd/server/config.py) sharing `budget_nbytes` through an arena
+            (kvd/core/arena.py); empty: the one pool of `geometry`, named "default".
         remote: `--remote` URL of the remote tier (docs/remote.md); None: no remote tier.
         remote_timeout_ms: how long a lookup waits for the remote tier.
     """
@@ -91,12 +96,17 @@ class DaemonConfig:
     state_dir: str | None = None
     recover: bool = False
     journal: bool = True
+    pools: tuple[PoolSpec, ...] = ()
+    budget_nbytes: int = 0
     remote: str | None = None
     remote_timeout_ms: int = DEFAULT_TIMEOUT_MS
 
     def __post_init__(self) -> None:
         if self.remote is not None:
             parse_url(self.remote)  # a typed error before anything starts
+            if self.pools:
+                raise BadArgsError("--remote serves a daemon of one pool for now: drop --pool "
+                                   "(and the config's pools) or --remote")
         timeout = self.remote_timeout_ms
         if not (type(timeout) is int and 1 <= timeout <= 60_000):
             raise BadArgsError(f"--remote-timeout-ms must be an int in [1, 60000], "
@@ -104,6 +114,11 @@ class DaemonConfig:
         port = self.metrics_port
         if port is not None and not (type(port) is int and 0 <= port <= 65535):
             raise BadArgsError(f"metrics port must be an int in [0, 65535], got {port!r}")
+        if self.pools:
+            check_pools(list(self.pools), self.budget_nbytes)
+            if self.recover:
+                raise BadArgsError("--recover is not supported with several pools yet: start "
+                                   "without --recover (the pools start clean)")
 
     @property
     def journal_dir(self) -> str:
@@ -216,17 +231,21 @@ def start(config: DaemonConfig) -> Started:
         selector = undo.enter_context(selectors.DefaultSelector())
         undo.callback(_unlink_quietly, paths.pid_path)
         journal = None
-        if config.journal:
-            journal = Journal(config.journal_dir)
+        if config.journal and not config.pools:  # (several pools: no journal yet)
+            journal = _open_journal(config)
             undo.callback(_release_journal, journal, stop)
         remote = _remote_tier(config)
         if remote is not None:
             undo.callback(remote.close)
-        segment, pool, num_restored = _open_pool(config, journal, stop, undo, remote)
-        info = {"segment": segment.name, "segment_uuid": segment.uuid,
-                "daemon_pid": os.getpid(), "name": paths.name}
-        service = Service(pool, config.geometry, _block_copier(segment.pool), info, OpStats(),
-                          on_shutdown=stop.on_shutdown)
+        if config.pools:
+            segment, service = _open_pools(config, stop, undo)
+            num_restored = 0
+        else:
+            segment, pool, num_restored = _open_pool(config, journal, stop, undo, remote)
+            service = Service(pool, config.geometry, _block_copier(segment.pool), {}, OpStats(),
+                              on_shutdown=stop.on_shutdown)
+        service.info.update({"segment": segment.name, "segment_uuid": segment.uuid,
+                             "daemon_pid": os.getpid(), "name": paths.name})
         if journal is not None:
             service.journal_state = "ok"
         if remote is not None:
@@ -256,6 +275,8 @@ def _open_pool(config: DaemonConfig, journal: Journal | None, stop: Stop,
             return recovered
     segment = _create_segment(config, journal)
     undo.callback(_release_segment, segment, stop)
+    if journal is not None:
+        _reset_journal(journal, segment)
     return segment, _new_pool(config, segment, journal, remote), 0
 
 
@@ -273,23 +294,35 @@ def _recover(config: DaemonConfig, journal: Journal | None, stop: Stop, undo: Ex
         raise
     if recovered is None:
         return None
-    segment, rows = recovered
+    segment, loaded = recovered
     # From here a failed start leaves the crashed daemon's segment and journal as it found them,
     # for the next --recover: a bad flag must not cost the cache.
     stop.keep = True
     pool = _new_pool(config, segment, journal, remote)
+    journal.on_commit = segment.set_acknowledged_seals
     failpoint("during-recovery")
     try:
-        num_restored = pool.restore(rows)
-    except BadArgsError as exc:  # a journal the pool cannot take: never map it
-        log.warning("recovery: %s; starting clean", exc)
+        num_restored = restore(pool, segment, journal, loaded)
+    except BadArgsError as exc:  # a journal the pool cannot take: never map it, nor delete it
+        log.warning("recovery: %s; it is kept as %s; starting clean", exc, journal.set_aside())
         stop.keep = False  # (the old mapping goes with the pool)
         return None
-    bump_free_generations(pool, segment.generations)
-    log.info("recovered segment %s: %d of %d journaled blocks restored from %s",
-             segment.name, num_restored, len(rows.block_ids), journal.path)
     undo.callback(_release_segment, segment, stop)
     return segment, pool, num_restored
+
+
+def _open_journal(config: DaemonConfig) -> Journal:
+    """The journal. One SQLite cannot open (a damaged file) is a refusal for --recover, which
+    keeps it; a plain start forgets its blocks anyway, so it sets the files aside and goes on."""
+    try:
+        return Journal(config.journal_dir)
+    except JournalError as exc:
+        if config.recover:
+            raise JournalError(f"{exc}: move {config.journal_dir} aside, or start without "
+                               "--recover (which keeps a copy)") from None
+        aside = set_aside_files(config.journal_dir)
+        log.warning("%s; it is kept as %s; starting with a new journal", exc, aside)
+        return Journal(config.journal_dir)
 
 
 def _new_pool(config: DaemonConfig, segment: Segment, journal: Journal | None,
@@ -315,8 +348,7 @@ def _block_bytes(segment: Segment) -> np.ndarray:
     return segment.pool.reshape(segment.geometry.num_blocks, -1).view(np.uint8)
 
 
-def _create_segment(config: DaemonConfig, journal: Journal | None) -> Segment:
-    paths = config.paths
+def _remove_stale_segment(paths: DaemonPaths) -> None:
     stale = SHM_DIR + paths.segment_name
     # Ours, we hold the lock, so no live daemon uses it; another uid's file or a symlink there
     # is refused rather than followed or (as root) deleted.
@@ -324,15 +356,61 @@ def _create_segment(config: DaemonConfig, journal: Journal | None) -> Segment:
         log.warning("removing stale segment %s left by a daemon that crashed or stopped "
                     "with --keep (kvd start --recover keeps it)", paths.segment_name)
         os.unlink(stale)
+
+
+def _create_segment(config: DaemonConfig, journal: Journal | None) -> Segment:
+    paths = config.paths
+    _remove_stale_segment(paths)
     segment = Segment.create(paths.segment_name, config.geometry)
-    if journal is not None:
-        journal.reset(stamp(segment))
-    elif Path(config.journal_dir) == state_dir_of(paths.name):
+    if journal is None and Path(config.journal_dir) == state_dir_of(paths.name):
         # A journal there describes a segment that is gone (say, kept by stop --keep and
         # then started clean with --no-journal): nothing would ever remove it. (Only under
         # the name's own default: the lock held covers nothing else.)
         remove_journal(config.journal_dir)
     return segment
+
+
+def _open_pools(config: DaemonConfig, stop: Stop, undo: ExitStack) -> tuple[Segment, Service]:
+    """A layout-2 segment for the configured pools, their arena and the Service over them
+    (no journal yet: several pools always start clean)."""
+    specs = list(config.pools)
+    arena = Arena(config.budget_nbytes, [spec.block_nbytes for spec in specs])
+    _remove_stale_segment(config.paths)
+    segment = Segment.create_pools(config.paths.segment_name,
+                                   [(spec.name, spec.shape) for spec in specs],
+                                   arena.slab_nbytes, arena.num_slabs)
+    undo.callback(_release_segment, segment, stop)
+    service: Service | None = None
+    for number, spec in enumerate(specs):
+        pool = arena.add_pool(number, make_policy(config.policy, arena.num_ids(number),
+                                                  tiers=config.tiers),
+                              segment.generations_of(spec.name))
+        geometry = segment.pools[spec.name].geometry
+        copy_block = _slab_copier(segment.slabs_of(spec.name), pool.blocks_per_slab)
+        if service is None:
+            service = Service(pool, geometry, copy_block, {}, OpStats(),
+                              on_shutdown=stop.on_shutdown, pool_name=spec.name)
+        else:
+            service.add_pool(spec.name, pool, geometry, copy_block)
+    if service is None:
+        raise BadArgsError("no pool configured")
+    return segment, service
+
+
+def _slab_copier(slabs: np.ndarray, blocks_per_slab: int) -> Callable[[int, int], None]:
+    def copy_block(src: int, dst: int) -> None:
+        slabs[divmod(dst, blocks_per_slab)] = slabs[divmod(src, blocks_per_slab)]
+    return copy_block
+
+
+def _reset_journal(journal: Journal, segment: Segment) -> None:
+    """Start the journal over for a new segment."""
+    try:
+        journal.reset(stamp(segment))
+    except JournalError as exc:  # a damaged file SQLite opened but cannot write
+        log.warning("%s; it is kept as %s; starting with a new journal", exc, journal.set_aside())
+        journal.reset(stamp(segment))
+    journal.on_commit = segment.set_acknowledged_seals
 
 
 def _block_copier(blocks: np.ndarray) -> Callable[[int, int], None]:

@@ -122,8 +122,8 @@ def test_layout_and_views(segment):
     assert total == pool_offset + SMALL.pool_nbytes == segment.nbytes
     generations, pool = segment.generations, segment.pool
     assert generations.dtype == np.uint64 and generations.shape == (5,)
-    # One base for every block, below 2**63 so it never wraps, random per create.
-    assert len(set(generations.tolist())) == 1 and generations[0] < 1 << 63
+    # A random base per block, below 2**62 so it never wraps.
+    assert len(set(generations.tolist())) == 5 and generations.max() < 1 << 62
     assert pool.shape == SMALL.pool_shape and pool.dtype == np.float16 and not pool.any()
     block = segment.block(2)
     block[...] = 1.5
@@ -278,3 +278,32 @@ def test_header_starts_with_magic(segment, name):
 
 def test_current_boot_id_is_stable():
     assert current_boot_id() == current_boot_id() and len(current_boot_id()) == 16
+
+
+def test_a_pools_segment_round_trips_its_table_and_places_blocks_by_slab(name):
+    shapes = [("target", Geometry(1, num_layers=2, head_dim=8, num_kv_heads=2)),
+              ("latent", Geometry(1, num_layers=3, parts=1, num_kv_heads=1, head_dim=24,
+                                  dtype="bfloat16", window=64))]
+    slab = 3 * shapes[0][1].block_nbytes + 100
+    created = Segment.create_pools(name, shapes, slab, 5)
+    try:
+        attached = Segment.attach(name)
+        assert attached.pools == created.pools and attached.is_multi_pool
+        latent = attached.pools["latent"]
+        assert latent.geometry.window == 64 and latent.geometry.parts == 1
+        bps = latent.blocks_per_slab
+        assert latent.geometry.num_blocks == 5 * bps
+        slabs = attached.slabs_of("latent")
+        slabs[1, 1][...] = 7  # block bps + 1 of the latent pool, written through one mapping
+        offset = latent.block_offset(bps + 1)
+        assert offset == latent.data_offset + slab + latent.geometry.block_nbytes
+        raw = created.slabs_of("latent", readonly=True)
+        assert (raw[1, 1] == 7).all() and (raw[1, 0] == 0).all()
+        assert created.generations_of("target").shape == (5 * 3,)
+        with pytest.raises(NotFoundError, match="no pool 'draft'"):
+            attached.slabs_of("draft")
+        del slabs, raw
+        attached.close()
+    finally:
+        created.close()
+        created.unlink()

@@ -45,7 +45,7 @@ def test_journal_round_trip_restores_index_tree_and_tiers(tmp_path, policy):
     journal.commit()
 
     fresh = BlockPool(32, policy, generations=pool.generations.copy())
-    fresh.restore(journal.load())
+    fresh.restore(journal.load().rows)
     journal.close()
     fresh.check_invariants()
     cached = [i for i in range(32) if pool.state(i) == "cached"]

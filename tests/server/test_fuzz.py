@@ -56,6 +56,14 @@ TEMPLATES: dict[str, dict[str, Any]] = {
     "seq_close": {"seq_id": 1},
     "seq_info": {"seq_id": 1},
 }
+# A daemon of two pools (issue 31): the same ops addressed by OP@NAME, and hello choosing a pool.
+POOLS = ["--pool", "a:layers=2,kv-heads=2,head-dim=8,block-size=4,dtype=float32",
+         "--pool", "b:layers=1,parts=1,kv-heads=1,head-dim=24,block-size=4,window=8",
+         "--memory", "1M"]
+POOL_TEMPLATES: dict[str, dict[str, Any]] = {
+    **TEMPLATES, "hello": {**HELLO, "pool": "b"},
+    **{f"{op}@{pool}": args for op, args in TEMPLATES.items() if op not in ("hello", "stats")
+       for pool in ("a", "b", "nope")}}
 KINDS = ("raw", "random_body", "bit_flip", "schema", "bad_length", "truncated", "big")
 EDGE_INTS = (0, 1, -1, 2**31, 2**32, 2**63 - 1, -2**63, 2**64 - 1, 4096)
 
@@ -71,8 +79,9 @@ def request(request_id: Any, op: Any, args: Any) -> bytes:
 class FrameFuzzer:
     """Batches of hostile frames; a batch is what one connection sends before half-closing."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, templates: dict[str, dict[str, Any]] = TEMPLATES) -> None:
         self.rng = random.Random(seed)
+        self.templates = templates
 
     def value(self, depth: int = 0) -> Any:
         """A random msgpack value of a random type."""
@@ -96,17 +105,17 @@ class FrameFuzzer:
 
     def key(self) -> Any:
         rng = self.rng
-        return rng.choice((rng.choice(list({k for t in TEMPLATES.values() for k in t})),
+        return rng.choice((rng.choice(list({k for t in self.templates.values() for k in t})),
                            "extra", "", rng.randrange(5)))
 
     def valid(self) -> bytes:
-        op = self.rng.choice(list(TEMPLATES))
-        return request(self.rng.randrange(1 << 20), op, TEMPLATES[op])
+        op = self.rng.choice(list(self.templates))
+        return request(self.rng.randrange(1 << 20), op, self.templates[op])
 
     def schema_violation(self) -> bytes:
         rng = self.rng
-        op = rng.choice(list(TEMPLATES))
-        args = dict(TEMPLATES[op])
+        op = rng.choice(list(self.templates))
+        args = dict(self.templates[op])
         choice = rng.randrange(8)
         if choice < 3 and args:
             args[rng.choice(list(args))] = self.value()  # a wrong type or range
@@ -261,9 +270,10 @@ def rss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in file if line.startswith("VmRSS:"))
 
 
-def run_fuzz(handle: Any, num_frames: int, seed: int) -> dict[str, Any]:
+def run_fuzz(handle: Any, num_frames: int, seed: int,
+             templates: dict[str, dict[str, Any]] = TEMPLATES) -> dict[str, Any]:
     socket_path = handle.paths.socket_path
-    fuzzer = FrameFuzzer(seed)
+    fuzzer = FrameFuzzer(seed, templates)
     codes: Counter[str] = Counter()
     kinds: Counter[str] = Counter()
     good = GoodClient(socket_path)
@@ -321,6 +331,16 @@ def test_fuzz_frames(fuzz_daemon: Any) -> None:
     summary = run_fuzz(fuzz_daemon, 10_000, seed=int(os.environ.get("KVD_FUZZ_SEED", "1")))
     print(f"\nfuzz summary: {summary}")
     check(summary, 10_000)
+
+
+@pytest.mark.integration
+def test_fuzz_frames_several_pools(daemon_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVD_DEBUG", "1")
+    handle = daemon_factory(POOLS)
+    summary = run_fuzz(handle, 5_000, seed=int(os.environ.get("KVD_FUZZ_SEED", "3")),
+                       templates=POOL_TEMPLATES)
+    print(f"\nfuzz summary: {summary}")
+    check(summary, 5_000)
 
 
 @pytest.mark.slow

@@ -4,10 +4,12 @@ stamp, injected write failures, failpoints and file hygiene. No daemon."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import random
 import shutil
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -40,7 +42,7 @@ def on_disk(state_dir: Path) -> IndexRows:
                 shutil.copy(state_dir / f"{JOURNAL_FILENAME}{suffix}", copy)
         other = Journal(copy)
         try:
-            return other.load()
+            return other.load().rows
         finally:
             other.close()
     finally:
@@ -53,9 +55,13 @@ def reopened(journal: Journal) -> tuple[list[int], list[bytes]]:
     return rows.block_ids.tolist(), rows.keys
 
 
+_generations = itertools.count(1)
+
+
 def seal(journal: Journal, block_id: int, key: bytes) -> None:
-    """Journal a chain head of generation 0 in the prefill tier."""
-    journal.sealed([(block_id, key, 0, NO_PARENT, 0, 0)])
+    """Journal a chain head in the prefill tier, at a generation above every earlier one (a
+    block's rises each time it is freed; the journal drops a record that does not rise)."""
+    journal.sealed([(block_id, key, next(_generations), NO_PARENT, 0, 0)])
 
 
 def heads(block_ids: list[int], keys: list[bytes]) -> list[tuple]:
@@ -157,6 +163,33 @@ def test_reset_records_the_stamp_and_forgets_blocks(journal):
     assert journal.read_stamp() == {"boot_id": "cd"}
 
 
+def test_a_journal_of_the_previous_version_is_read_and_reset_into_this_ones_schema(tmp_path):
+    """A version-3 journal (no chunk checksums, no stamp checksum) reads as a stamp of another
+    version, which recovery refuses to restore; the clean start's reset then makes the log
+    table in this version's schema, so commits work (a DELETE would have kept three columns)."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    with contextlib.closing(sqlite3.connect(state_dir / JOURNAL_FILENAME)) as old:
+        old.executescript("CREATE TABLE stamp (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+                          "CREATE TABLE log (chunk_id INTEGER PRIMARY KEY, "
+                          "key_width INTEGER NOT NULL, records BLOB NOT NULL);"
+                          "INSERT INTO stamp VALUES ('journal_version', '3');")
+        old.commit()
+    with contextlib.closing(Journal(state_dir)) as journal:
+        assert journal.read_stamp() == {"journal_version": 3}
+        journal.reset({"journal_version": journal_module.JOURNAL_VERSION})
+        seal(journal, 1, b"x")
+        journal.commit()
+        assert reopened(journal) == ([1], [b"x"])
+
+
+def test_a_stamp_that_fails_its_checksum_cannot_be_read(journal):
+    journal.reset({"journal_version": journal_module.JOURNAL_VERSION, "boot_id": "ab"})
+    journal._db.execute("UPDATE stamp SET value = '\"ac\"' WHERE key = 'boot_id'")
+    with pytest.raises(JournalError, match="checksum does not match"):
+        journal.read_stamp()
+
+
 def test_injected_write_failure_raises_journal_error_and_writes_nothing(tmp_path, monkeypatch):
     fail_file = tmp_path / "fail"
     monkeypatch.setenv("KVD_JOURNAL_FAIL_FILE", str(fail_file))  # read when the journal opens
@@ -213,7 +246,7 @@ def test_reopening_makes_files_left_readable_private(tmp_path):
     with contextlib.closing(Journal(state_dir)) as journal:
         assert stat.S_IMODE(wal.stat().st_mode) == 0o600
         assert stat.S_IMODE((state_dir / JOURNAL_FILENAME).stat().st_mode) == 0o600
-        assert journal.load().block_ids.tolist() == [1]
+        assert journal.load().rows.block_ids.tolist() == [1]
 
 
 def test_remove_keeps_a_directory_holding_foreign_files(tmp_path):

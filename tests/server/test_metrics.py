@@ -59,9 +59,9 @@ def test_op_stats_buckets_and_the_collector_exposition():
     registry.register(KvdCollector(lambda: FAKE_STATS, ops))
     got = samples(generate_latest(registry).decode())
     for state in ("free", "owned", "sealed", "cached"):
-        assert got[("kvd_blocks", (("state", state),))] == FAKE_STATS[state]
-    assert got[("kvd_prefix_hit_tokens_total", ())] == 176
-    assert got[("kvd_prefix_hit_blocks_total", ())] == 11
+        assert got[("kvd_blocks", (("pool", "default"), ("state", state)))] == FAKE_STATS[state]
+    assert got[("kvd_prefix_hit_tokens_total", (("pool", "default"),))] == 176
+    assert got[("kvd_prefix_hit_blocks_total", (("pool", "default"),))] == 11
     assert got[("kvd_errors_total", (("code", "NO_SPACE"),))] == 2
     bucket = "kvd_request_latency_seconds_bucket"
     assert got[(bucket, (("le", "1e-05"), ("op", "alloc")))] == 2  # le is inclusive
@@ -186,9 +186,10 @@ def test_metrics_endpoint_serves_kvd_metrics_that_agree_with_kvd_stats(daemon_fa
         b.close_sequence(again)
 
     for state in ("free", "owned", "sealed", "cached"):
-        assert got[("kvd_blocks", (("state", state),))] == stats[state]
+        assert got[("kvd_blocks", (("pool", "default"), ("state", state)))] == stats[state]
     assert (stats["free"], stats["owned"], stats["sealed"]) == (0, 6, 2)
-    for metric, key in (("kvd_pool_blocks", "num_blocks"), ("kvd_sequences", "sequences"),
+    assert got[("kvd_sequences", ())] == stats["sequences"]
+    for metric, key in (("kvd_pool_blocks", "num_blocks"),
                         ("kvd_allocations_total", "allocations"),
                         ("kvd_evictions_total", "evictions"), ("kvd_seals_total", "seals"),
                         ("kvd_lookups_total", "lookups"),
@@ -196,7 +197,7 @@ def test_metrics_endpoint_serves_kvd_metrics_that_agree_with_kvd_stats(daemon_fa
                         ("kvd_prefix_hit_blocks_total", "hit_blocks"),
                         ("kvd_prompt_tokens_total", "prompt_tokens"),
                         ("kvd_prefix_hit_tokens_total", "cached_tokens")):
-        assert got[(metric, ())] == stats[key], metric
+        assert got[(metric, (("pool", "default"),))] == stats[key], metric
     assert (stats["hit_blocks"], stats["cached_tokens"], stats["prompt_tokens"]) == (2, 8, 18)
     assert got[("kvd_sessions", ())] == stats["sessions"] - 1 == 2
     assert got[("kvd_sessions_opened_total", ())] == stats["sessions_opened"] - 1
@@ -208,6 +209,6 @@ def test_metrics_endpoint_serves_kvd_metrics_that_agree_with_kvd_stats(daemon_fa
     # docs/operations.md lists every name a query must use (counters carry the _total suffix).
     doc = (ROOT / "docs" / "operations.md").read_text()
     section = doc[doc.index("`--metrics-port P`"):doc.index("## Environment")]
-    listed = set(re.findall(r"`(kvd_[a-z_]+)(?:\{[a-z]+\})?`", section))
+    listed = set(re.findall(r"`(kvd_[a-z_]+)(?:\{[a-z,]+\})?`", section))
     exported = {name for name, _ in got if not name.startswith("kvd_request_latency_seconds")}
     assert listed == exported | {"kvd_request_latency_seconds"}

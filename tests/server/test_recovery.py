@@ -213,13 +213,18 @@ class Restartable:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        for path in (self.segment_path, self.paths.socket_path, self.paths.pid_path,
-                     self.paths.lock_path):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        shutil.rmtree(self.state_dir, ignore_errors=True)
+        remove_daemon_files(self.paths, self.state_dir)
+
+
+def remove_daemon_files(paths: DaemonPaths, state: Path) -> None:
+    """Whatever a daemon of `paths` with its journal in `state` may have left."""
+    for path in (f"/dev/shm{paths.segment_name}", paths.socket_path, paths.pid_path,
+                 paths.lock_path):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture
@@ -961,7 +966,8 @@ def test_an_unreadable_stamp_refuses_recovery_and_keeps_what_it_could_not_read(r
 
 def test_a_journal_the_pool_cannot_take_starts_clean_and_says_so(restartable):
     """Regression: a journal naming a block outside the pool failed the start and removed
-    everything; the contract is to start clean with one log line, never mapping that state."""
+    everything; the contract is to start clean with one log line, never mapping that state, and
+    (a later regression: the clean start overwrote it) keeping the journal aside, named there."""
     daemon = restartable()
     daemon.start()
     with daemon.connect() as client:
@@ -974,6 +980,8 @@ def test_a_journal_the_pool_cannot_take_starts_clean_and_says_so(restartable):
     offset = daemon.recover()
     (line,) = starting_clean_lines(daemon.log(offset))
     assert "corrupt" in line
+    aside = daemon.state_dir / f"{JOURNAL_FILENAME}.damaged-1"
+    assert f"kept as {aside}" in line and aside.exists()
     with daemon.connect() as client:
         check_absent(client, list(sealed))
         check_invariants(client)

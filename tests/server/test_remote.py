@@ -368,3 +368,15 @@ def test_other_clients_are_served_while_a_fetch_waits(daemon_factory, redis_empt
         opener.join(10)
         sleeper.join()
         assert answered.is_set() and not other.stats()["errors"]
+
+
+def test_remote_with_several_pools_is_a_typed_error():
+    from kvd.runtime import DaemonPaths
+    from kvd.server.config import parse_pool_flag
+    from kvd.server.startup import DaemonConfig
+
+    geometry = Geometry(num_blocks=8, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
+    pool = parse_pool_flag("a:layers=2,kv-heads=2,head-dim=8,dtype=float16,block-size=4")
+    with pytest.raises(BadArgsError, match="--remote serves a daemon of one pool"):
+        DaemonConfig(DaemonPaths.for_name("remote-pools"), geometry, pools=(pool,),
+                     remote="redis://127.0.0.1:1")

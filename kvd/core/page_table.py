@@ -165,16 +165,18 @@ class PageTable:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def open(self, tokens: bytes, salt: bytes = b"", max_cached_tokens: int | None = None
-             ) -> tuple[SequenceRecord, int]:
-        """Open a sequence; returns it and the number of tokens whose KV is already cached."""
+    def open(self, tokens: bytes, salt: bytes = b"", max_cached_tokens: int | None = None,
+             hashes: list[bytes] | None = None) -> tuple[SequenceRecord, int]:
+        """Open a sequence; returns it and the number of tokens whose KV is already cached.
+        `hashes`: `cacheable_hashes` of the same arguments, if the caller has them."""
         (record,), num_cached = open_spanning([self], self._new_owner(), tokens, salt,
-                                              max_cached_tokens)
+                                              max_cached_tokens, hashes)
         return record, num_cached
 
-    def chain(self, tokens: bytes, salt: bytes, max_cached_tokens: int | None) -> list[bytes]:
-        """The chained hashes of the full blocks of `tokens` a hit may cover (capped so that at
-        least one token is left to compute unless `max_cached_tokens` says otherwise)."""
+    def cacheable_hashes(self, tokens: bytes, salt: bytes = b"",
+                         max_cached_tokens: int | None = None) -> list[bytes]:
+        """The hashes `open` looks up: of the full blocks below its cap (by default all but the
+        last token, whose logits an engine needs)."""
         num_tokens = len(tokens) // 4
         if num_tokens == 0:
             raise BadArgsError("a sequence needs at least one token")
@@ -393,11 +395,13 @@ def longest_hit(servables: list[list[bool]]) -> int:
 
 # ---- sequences spanning pools (a model's pools: same block size, one hash chain) -------------
 def open_spanning(tables: list[PageTable], seq_id: int, tokens: bytes, salt: bytes,
-                  max_cached_tokens: int | None) -> tuple[list[SequenceRecord], int]:
+                  max_cached_tokens: int | None, hashes: list[bytes] | None = None
+                  ) -> tuple[list[SequenceRecord], int]:
     """Open one sequence (`seq_id` in every pool) over `tables`: the longest hit all of them
     serve, pinned in each before anything is allocated (an allocation may evict another pool's
     unpinned blocks through the arena), then the rest allocated; all or nothing."""
-    hashes = tables[0].chain(tokens, salt, max_cached_tokens)
+    if hashes is None:  # (one chain for every pool: they share the block size)
+        hashes = tables[0].cacheable_hashes(tokens, salt, max_cached_tokens)
     num_hit = longest_hit([table.servable(hashes) for table in tables])
     records = [table.pin_hit(tokens, salt, hashes, num_hit, seq_id) for table in tables]
     try:

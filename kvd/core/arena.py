@@ -24,6 +24,10 @@ through the pool (policy, index, prefix tree, journal and generations stay right
 bumped when its block is freed, so a stale reader of the old pool sees its id was reused), its
 ids leave the free list, and they are ABSENT again. A pinned or owned block is never taken.
 
+Recovery (kvd/server/recovery.py): ownership is not journaled. `ArenaPool.restore` restores a
+pool's rows and then owns exactly the slabs its restored blocks are in; the rest stay unowned,
+for any pool to take. Rows of two pools claiming one slab are dropped before (recovery's job).
+
 Slab size. `choose_slab_nbytes` picks a multiple of the largest block: large enough that the tail
 `slab_nbytes % block_nbytes(P)` wastes little of every pool's slabs, small enough to leave many
 slabs to move (a pool's partly used slab is waste too, and many slabs let memory move finely).

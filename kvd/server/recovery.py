@@ -30,6 +30,16 @@ that says what was lost, and sets the journal's files aside (`journal.sqlite3.da
 in that line) before a fresh journal is written from what was restored: a damaged journal is
 never deleted, and never appended to. A journal that cannot be read at all, or that the pool
 refuses, is set aside too, and the daemon starts clean.
+
+Several pools (kvd/core/arena.py) have one journal each and one acknowledged-seals counter each
+in the layout-2 header; each journal's stamp names its pool, geometry and slab size, so the
+checks above run per pool, with the same code (`read_stamp`, `load_journal`, `restore`).
+`attach_pools` keeps the segment while its boot, budget and slab size still hold; if the pool
+table changed it rewrites the segment in place (Segment.reshape_pools): a pool of the same name
+and geometry keeps its generations, so its journal still matches, while a changed or new pool's
+does not (it restarts clean) and a removed pool's blocks are dropped. Slab ownership is not
+journaled: a slab belongs to the pool whose restored blocks it holds (ArenaPool.restore), and a
+slab that two pools' current records claim is damage (`drop_shared_slabs`: both claims go).
 """
 
 from __future__ import annotations

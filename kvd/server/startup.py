@@ -15,7 +15,9 @@ failure anywhere unwinds exactly what was made, and a stopping loop unwinds the 
                 in the cleanup: the loop sees the request before it serves anyone.
     selector    the loop's.
     (pidfile)   its removal: under the lock, a pidfile there is ours or a dead daemon's.
-    journal     unless --no-journal; opened before the segment, which recovery checks it against.
+    journal     unless --no-journal; opened before the segment, which recovery checks it against
+                (several pools: one per pool, PoolJournals; the journals of pools no longer
+                configured are deleted).
     segment     re-attached with its journaled blocks restored (--recover: kvd/server/recovery.py)
                 or created clean; then the pool over its generation counters, and the Service.
     socket      bound 0600 inside the 0700 runtime directory (kvd/runtime.py); an existing path

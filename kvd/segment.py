@@ -288,11 +288,12 @@ class Segment:
     @classmethod
     def reshape_pools(cls, segment: Segment, shapes: list[tuple[str, Geometry]]) -> Segment:
         """Rewrite the attached layout-2 `segment` (closed by this; no view of it may live) in
-        place for the pools `shapes`, over the same slabs (size and count), uuid and boot id,
-        and re-attach it. The data area moves to its new offset, bytes kept; a pool of the same
-        name and geometry keeps its generations and acknowledged seals; any other gets fresh
-        bases and 0 seals (its journal no longer matches). The magic is cleared first, so a
-        crash half-way leaves a segment `attach` refuses (the next start is clean).
+        place for the pools `shapes`, over the same slabs (size and count) and boot id, under a
+        new uuid (a client's mapping of the old layout must not pass for current), and
+        re-attach it. The data area moves to its new offset, bytes kept; a pool of the same name
+        and geometry keeps its generations and acknowledged seals; any other gets fresh bases
+        and 0 seals. The magic is cleared first, so a crash half-way leaves a segment `attach`
+        refuses (the next start is clean).
 
         Raises:
             NoSpaceError: /dev/shm cannot hold the grown segment (it is left as it was).
@@ -305,7 +306,8 @@ class Segment:
                 (segment.generations_of(name).copy(), segment.pool_acknowledged_seals(name))
                 for name, pool in segment.pools.items()}
         pools, nbytes = pools_layout(shapes, slab_nbytes, num_slabs)
-        name, segment_uuid, boot_id = segment.name, segment.uuid, segment.boot_id
+        name, boot_id = segment.name, segment.boot_id
+        segment_uuid = uuid.uuid4().bytes  # (a client's mapping of the old layout is stale)
         segment.close()
         shm = posix_ipc.SharedMemory(name)
         try:

@@ -195,10 +195,7 @@ def _without_duplicate_keys(rows: IndexRows, generations: np.ndarray,
     a sound log has one such row per hash (an older one names a block freed since), so which of
     two to believe is unknown; both go, counted in `damage`."""
     keys = rows.keys
-    ids = np.asarray(rows.block_ids, dtype=np.int64)
-    is_current = (ids >= 0) & (ids < generations.size)
-    is_current[is_current] = generations[ids[is_current]] \
-        == np.asarray(rows.generations, dtype=np.uint64)[is_current]
+    is_current = _is_current(rows, generations)
     current = is_current.tolist()
     claims = Counter(key for key, is_claim in zip(keys, current) if is_claim)
     keep = np.array([not (is_claim and claims[key] > 1) for key, is_claim in zip(keys, current)],
@@ -216,11 +213,17 @@ def _rows_where(rows: IndexRows, keep: np.ndarray) -> IndexRows:
 def _current_slabs(rows: IndexRows, generations: np.ndarray, blocks_per_slab: int) -> np.ndarray:
     """Per row, the slab of its block if the row is at the generation the segment shows (it
     would be restored there), else -1."""
+    return np.where(_is_current(rows, generations),
+                    np.asarray(rows.block_ids, dtype=np.int64) // blocks_per_slab, -1)
+
+
+def _is_current(rows: IndexRows, generations: np.ndarray) -> np.ndarray:
+    """Per row, whether its block exists and is at the generation the row recorded."""
     ids = np.asarray(rows.block_ids, dtype=np.int64)
     is_current = (ids >= 0) & (ids < generations.size)
     is_current[is_current] = generations[ids[is_current]] \
         == np.asarray(rows.generations, dtype=np.uint64)[is_current]
-    return np.where(is_current, ids // blocks_per_slab, -1)
+    return is_current
 
 
 def drop_shared_slabs(segment: Segment, loaded: dict[str, Loaded]) -> dict[str, Loaded]:
@@ -245,11 +248,11 @@ def drop_shared_slabs(segment: Segment, loaded: dict[str, Loaded]) -> dict[str, 
 
 
 def attach_pools(segment_name: str, shapes: list[tuple[str, Geometry]],
-                 budget_nbytes: int) -> Segment | None:
-    """The previous layout-2 segment, reshaped for the pools `shapes` if they changed (a changed
-    or new pool restarts clean, the others keep their blocks: Segment.reshape_pools), or None
-    (logged) to start every pool clean. Which pools' journals match is the caller's (`stamp`).
-    """
+                 budget_nbytes: int) -> tuple[Segment, set[str]] | None:
+    """The previous layout-2 segment and the configured pools it holds unchanged (same name and
+    geometry: their journals may be restored), or None (logged) to start every pool clean. A
+    changed pool restarts clean, a removed one is dropped, a new one starts empty (logged);
+    `reshape` then fits the segment to the pools."""
     try:
         segment = Segment.attach(segment_name)
     except DeniedError:
@@ -274,26 +277,30 @@ def attach_pools(segment_name: str, shapes: list[tuple[str, Geometry]],
         segment.close()
         return None
     old = {name: pool.geometry for name, pool in segment.pools.items()}
-    if [(name, old.get(name)) for name, _ in shapes] == list(old.items()) \
-            and all(old[name] == _with_ids(shape, first.slab_nbytes, num_slabs)
-                    for name, shape in shapes):
-        return segment
+    kept = set()
     for name, shape in shapes:
-        if name not in old:
+        geometry = replace(shape, num_blocks=num_slabs * (first.slab_nbytes // shape.block_nbytes))
+        if old.get(name) == geometry:
+            kept.add(name)
+        elif name not in old:
             log.info("recovery: pool %s is new: it starts empty", name)
-        elif old[name] != _with_ids(shape, first.slab_nbytes, num_slabs):
+        else:
             log.warning("recovery: pool %s changed geometry from %s to %s: it starts clean",
                         name, old[name], shape)
     for name in old.keys() - {name for name, _ in shapes}:
         log.warning("recovery: pool %s is no longer configured: its blocks are dropped", name)
-    try:
-        return Segment.reshape_pools(segment, shapes)
-    except KvdError as exc:
-        log.warning("recovery: the segment cannot be reshaped for the pools (%s); starting "
-                    "clean", exc)
-        return None
+    return segment, kept
 
 
-def _with_ids(shape: Geometry, slab_nbytes: int, num_slabs: int) -> Geometry:
-    """A configured pool's shape with the id space it has over these slabs."""
-    return replace(shape, num_blocks=num_slabs * (slab_nbytes // shape.block_nbytes))
+def reshape(segment: Segment, shapes: list[tuple[str, Geometry]]) -> Segment:
+    """`segment` itself if it has exactly the pools `shapes`, else the segment rewritten in place
+    for them under a new uuid (Segment.reshape_pools: a client's old mapping is then stale, and
+    tells), which closes `segment`.
+
+    Raises:
+        KvdError: it could not be reshaped (NoSpaceError, say); `segment` is closed.
+    """
+    if [(name, replace(pool.geometry, num_blocks=1)) for name, pool in segment.pools.items()] \
+            == [(name, replace(shape, num_blocks=1)) for name, shape in shapes]:
+        return segment
+    return Segment.reshape_pools(segment, shapes)

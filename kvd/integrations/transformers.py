@@ -104,6 +104,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvd.errors import BadArgsError, KvdError, NoSpaceError
 from kvd.geometry import Geometry
+from kvd.integrations.salting import add_tensor, config_text, sample_slice
 
 SUPPORTED_TRANSFORMERS = "5.24.0"
 TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -146,13 +147,6 @@ def check_model_fits(model: PreTrainedModel, geometry: Geometry) -> None:
             "only full-attention layers are supported")
 
 
-# Config keys that say where a model was loaded from, which head classes saved it, what a
-# forward returns or the dtype it was saved in (None for a model built in-process; the salt
-# takes the dtype from the model itself) — never which K/V it computes — so one model built
-# or loaded in several ways shares blocks.
-_CONFIG_KEYS_NOT_SALTED = ("_name_or_path", "architectures", "dtype", "output_attentions",
-                           "output_hidden_states", "return_dict", "use_cache")
-_SAMPLED_ELEMENTS = 64  # per parameter, evenly spaced, in the weights' fingerprint
 _Versions = tuple[tuple[int, int], ...]
 _fingerprints: weakref.WeakKeyDictionary[torch.nn.Module, tuple[_Versions, bytes]] = (
     weakref.WeakKeyDictionary())
@@ -161,15 +155,13 @@ _fingerprints: weakref.WeakKeyDictionary[torch.nn.Module, tuple[_Versions, bytes
 def model_salt(model: PreTrainedModel) -> bytes:
     """The default hashing namespace of `model`: its config, dtype and a fingerprint of its weights.
 
-    The config leaves out the load path and output switches (`_CONFIG_KEYS_NOT_SALTED`), so the
+    The config leaves out the load path and output switches (`kvd.integrations.salting`), so the
     same weights loaded from two paths share blocks; the weights' fingerprint tells apart two
     models with one config (a fine-tune and its base), which must never share K/V.
     """
     config = json.loads(model.config.to_json_string(use_diff=False))
-    for key in _CONFIG_KEYS_NOT_SALTED:
-        config.pop(key, None)
     digest = hashlib.blake2b(digest_size=16, person=b"kvd-hf-salt")
-    digest.update(f"{json.dumps(config, sort_keys=True)}|{model.dtype}|".encode())
+    digest.update(f"{config_text(config)}|{model.dtype}|".encode())
     digest.update(weights_fingerprint(model))
     return digest.digest()
 
@@ -193,9 +185,8 @@ def weights_fingerprint(model: torch.nn.Module) -> bytes:
     digest = hashlib.blake2b(digest_size=16, person=b"kvd-hf-weights")
     for param in params:
         flat = param.detach().reshape(-1)
-        sample = flat[::max(1, flat.numel() // _SAMPLED_ELEMENTS)][:_SAMPLED_ELEMENTS]
-        digest.update(f"{tuple(param.shape)}|{param.dtype}|".encode())
-        digest.update(sample.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        sample = flat[sample_slice(flat.numel())].contiguous().cpu().view(torch.uint8)
+        add_tensor(digest, param.shape, str(param.dtype), sample.numpy().tobytes())
     fingerprint = digest.digest()
     if versions is not None:
         _fingerprints[model] = (versions, fingerprint)

@@ -238,6 +238,7 @@ def final_state(monitor: kvd.Client, chaos: Chaos,
              for name in ("owned", "sealed", "evictions", "hit_blocks", "lookup_blocks")}
     return {"sessions_left": len(sessions) - 1, "leaked_blocks": leaked,
             "num_blocks": num_blocks,
+            "slab_moves": everything.get("arena", {}).get("slab_moves", 0),
             "owned_at_end": total["owned"], "sealed_at_end": total["sealed"],
             "evictions": total["evictions"], "lookup_hit_ratio":
                 round(total["hit_blocks"] / max(1, total["lookup_blocks"]), 3)}
@@ -291,6 +292,7 @@ def test_stress_with_chaos_across_two_pools(daemon_factory: Any,
     summary = run_stress(handle, num_workers, 15 * SCALE, pools=("wide", "thin"))
     report(summary)
     check(summary)
+    assert summary["slab_moves"] > 0, summary  # memory moved between the pools under churn
 
 
 @pytest.mark.slow

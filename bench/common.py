@@ -88,12 +88,13 @@ class Daemon:
 
     Each has a runtime dir of its own unless `runtime_dir` is given (with `name`: a daemon an
     earlier one of that name left for `--recover`). `socket_path` is what `kvd.connect` takes,
-    also from other processes. `ready_s`: from exec to the first successful connect.
+    also from other processes. `ready_s`: from exec to the first successful connect. `flags`:
+    more `kvd start` flags.
     """
 
     def __init__(self, num_blocks: int, journal: bool = False, policy: str = "default",
                  recover: bool = False, name: str | None = None, runtime_dir: str | None = None,
-                 **geometry: Any) -> None:
+                 flags: Sequence[str] = (), **geometry: Any) -> None:
         self.owns_runtime_dir = runtime_dir is None
         self.runtime_dir = runtime_dir or tempfile.mkdtemp(prefix="kvdb-", dir="/tmp")
         self.name = name or f"bench-{uuid.uuid4().hex[:8]}"
@@ -105,6 +106,7 @@ class Daemon:
             command += [f"--{key.replace('_', '-')}", str(value)]
         command += [] if journal else ["--no-journal"]
         command += ["--recover"] if recover else []
+        command += flags
         started = time.perf_counter()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(command, env=child_env(self.runtime_dir), cwd=ROOT,

@@ -85,7 +85,42 @@ def _add_start(subparsers: Any) -> None:
     parser.add_argument("--detach", action="store_true", help="daemonise (log to the runtime dir)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    _add_limits(parser)
     parser.set_defaults(func=cmd_start)
+
+
+# (flag, parser, help) per field of kvd.server.service.Limits; the defaults are its own.
+_LIMIT_FLAGS = (
+    ("--max-sequences", int, "open sequences per session"),
+    ("--max-forks", int, "open forked sequences per session"),
+    ("--max-pins", int, "block pins one session's sequences may hold"),
+    ("--max-output-nbytes", parse_nbytes, "unread replies per connection before it is closed"),
+    ("--max-total-output-nbytes", parse_nbytes,
+     "unread replies of all connections together (the largest are closed first)"),
+)
+
+
+def _add_limits(parser: argparse.ArgumentParser) -> None:
+    limits = parser.add_argument_group("limits (a request past one gets TOO_LARGE)")
+    for flag, parse, text in _LIMIT_FLAGS:
+        limits.add_argument(flag, type=parse, help=f"{text} (default: {_default_limit(flag)})")
+
+
+def _limit_field(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def _default_limit(flag: str) -> int:
+    from kvd.server.daemon import Limits
+
+    return int(getattr(Limits(), _limit_field(flag)))
+
+
+def _limits(args: argparse.Namespace) -> Any:
+    from kvd.server.daemon import Limits
+
+    given = {_limit_field(flag): getattr(args, _limit_field(flag)) for flag, _, _ in _LIMIT_FLAGS}
+    return Limits(**{name: value for name, value in given.items() if value is not None})
 
 
 def _geometry(args: argparse.Namespace) -> Geometry:
@@ -111,7 +146,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     config = DaemonConfig(paths, geometry, policy, tiers=args.tiers,
                           metrics_port=args.metrics_port, state_dir=args.state_dir,
                           recover=args.recover, journal=not args.no_journal,
-                          pools=tuple(pools), budget_nbytes=memory)
+                          pools=tuple(pools), budget_nbytes=memory,
+                          limits=_limits(args))
     if args.detach:
         return _detach(config, args.log_level)
     _setup_logging(args.log_level, sys.stderr)

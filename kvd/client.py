@@ -145,7 +145,7 @@ class Client:
 
     def __init__(self, socket_path: str, timeout_s: float | None = None,
                  reconnect_timeout_s: float = 10.0, map_segment: bool = True,
-                 pool: str | None = None) -> None:
+                 pool: str | None = None, read_only: bool = False) -> None:
         """Args:
             pool: the pool the session's ops address (None: the daemon's only pool, or the one
                 named `default`, or its first); `pool=NAME` on an op addresses another one.
@@ -154,6 +154,9 @@ class Client:
                 away mid-session, e.g. while it restarts with --recover; 0 never reconnects.
             map_segment: False maps nothing, for ops that need no block (`kvd status`, `kvd
                 stop`): they then work even when the daemon's segment was deleted under it.
+            read_only: map the pool read-only (every view raises on a write) and refuse the ops
+                that write blocks (alloc, seal, sequences) with DeniedError, for a client that
+                only looks up, pins and reads.
         """
         if timeout_s is not None and not (_is_seconds(timeout_s) and timeout_s > 0):
             raise BadArgsError("timeout_s must be a number of seconds > 0, or None to wait for "
@@ -166,6 +169,7 @@ class Client:
         self.reconnect_timeout_s = reconnect_timeout_s
         self.map_segment = map_segment
         self.pool_name = pool
+        self.read_only = read_only
         self.num_reconnects = 0
         self._sock: socket.socket | None = None
         self._segment: Segment | None = None
@@ -251,7 +255,7 @@ class Client:
             self._pool_views = {}
         self._close_stale_segments()
         try:
-            segment = Segment.attach(self.info["segment"])
+            segment = Segment.attach(self.info["segment"], self.read_only)
         except NotFoundError:  # the daemon was replaced between its hello and our attach
             raise DisconnectedError(f"segment {self.info['segment']} is gone (the daemon "
                                     "restarted): reconnect") from None
@@ -704,9 +708,15 @@ class Client:
             raise NotFoundError(f"no pool {pool!r}: this daemon serves {', '.join(self.pools)}")
         return geometry
 
+    def _check_writer(self, op: str) -> None:
+        if self.read_only:
+            raise DeniedError(f"{op} writes blocks, and this client is read-only "
+                              "(kvd.connect(..., read_only=True)): connect without read_only")
+
     def alloc(self, num_blocks: int, pool: str | None = None) -> list[int]:
         """`num_blocks` writable blocks owned by this session (of `pool`, default the session's).
         Raises NoSpaceError."""
+        self._check_writer("alloc")
         return self._call("alloc" if pool is None else f"alloc@{pool}",
                           {"num_blocks": _int(num_blocks, "num_blocks")})
 
@@ -724,6 +734,7 @@ class Client:
             tiers: per block, 0 (written by prefill) or 1 (by decode), for a `--tiers` daemon.
             pool: the blocks' pool (default the session's); likewise for every op below.
         """
+        self._check_writer("seal")
         args: dict[str, Any] = {"block_ids": _ints(block_ids, "block_ids"),
                                 "hashes": _list(hashes, "hashes")}
         if parents is not None:
@@ -762,6 +773,7 @@ class Client:
         At most `max_cached_tokens` (default: all but the last token, whose logits an engine
         needs) come from the cache; write KV for tokens `[num_cached_tokens, num_tokens)`.
         """
+        self._check_writer("open_sequence")
         args: dict[str, Any] = {"tokens": token_bytes(token_ids), "salt": salt}
         if max_cached_tokens is not None:
             args["max_cached_tokens"] = _int(max_cached_tokens, "max_cached_tokens")
@@ -780,6 +792,7 @@ class Client:
                         num_computed: int | None = None) -> list[int]:
         """Append tokens, allocating blocks; first seal full blocks below `num_computed`
         (default: the tokens before this call). Returns the new block ids."""
+        self._check_writer("extend_sequence")
         self._check_live(seq)
         data = token_bytes(token_ids)
         num_computed = (seq.num_tokens if num_computed is None
@@ -795,6 +808,7 @@ class Client:
 
     def commit_sequence(self, seq: Sequence, num_computed: int | None = None) -> int:
         """Seal the full blocks below `num_computed` tokens (default all); returns how many."""
+        self._check_writer("commit_sequence")
         self._check_live(seq)
         num_computed = (seq.num_tokens if num_computed is None
                         else _int(num_computed, "num_computed"))
@@ -805,6 +819,7 @@ class Client:
 
     def fork_sequence(self, seq: Sequence) -> Sequence:
         """A new sequence sharing `seq`'s sealed blocks; its unsealed blocks are copies."""
+        self._check_writer("fork_sequence")
         self._check_live(seq)
         reply = self._call(_op("seq_fork", seq.pool), {"seq_id": seq.seq_id})
         return Sequence(reply["seq_id"], reply["block_ids"], reply["num_tokens"],
@@ -852,9 +867,11 @@ def _list(values: Any, name: str) -> list[Any]:
 
 
 def connect(name_or_socket_path: str | None = None, timeout_s: float | None = None,
-            reconnect_timeout_s: float = 10.0, pool: str | None = None) -> Client:
+            reconnect_timeout_s: float = 10.0, pool: str | None = None,
+            read_only: bool = False) -> Client:
     """Connect to a daemon by name (default `$KVD_NAME` or "default") or socket path; `pool`
     names the pool the session's ops address (None: the daemon's first, `default` for the
-    single-pool flags). Raises NotFoundError for a pool the daemon does not serve."""
+    single-pool flags); `read_only`: a client that only reads blocks (see Client). Raises
+    NotFoundError for a pool the daemon does not serve."""
     return Client(resolve_socket(name_or_socket_path), timeout_s, reconnect_timeout_s,
-                  pool=pool)
+                  pool=pool, read_only=read_only)

@@ -57,7 +57,8 @@ class VersionError(KvdError):
 
 
 class TooLargeError(KvdError):
-    """A frame or batch is above the daemon's limits."""
+    """A frame, batch or session is above the daemon's limits; the message names the limit and
+    the `kvd start` flag that sets it."""
 
     code = "TOO_LARGE"
 

@@ -73,6 +73,12 @@ closed (BufferError), which is what keeps a reader off unmapped memory; `close` 
 InUseError that says to drop the views first. Properties build a fresh view per call and the
 segment keeps none itself, so the caller's references are the only ones.
 
+A read-only attach (`attach(name, read_only=True)`, what `kvd.connect(..., read_only=True)`
+uses) opens the object O_RDONLY and maps it PROT_READ: every view of it is read-only, so a
+stray write raises (NumPy's ValueError; a raw pointer write faults) instead of changing a block
+another process reads. A normal attach maps every block writable, whoever owns it: any process
+of the daemon's uid can write any block (the trust model, README "Security").
+
 Not `multiprocessing.shared_memory`: before Python 3.13 its resource tracker unlinks a segment
 when any attaching process exits (CPython gh-82300).
 """
@@ -204,9 +210,11 @@ class Segment:
 
     def __init__(self, name: str, mapping: mmap.mmap, geometry: Geometry, segment_uuid: bytes,
                  boot_id: bytes, pools: list[PoolLayout] | None = None,
-                 nbytes: int | None = None) -> None:
-        """`pools` and `nbytes` for layout 2 (then `geometry` is the first pool's)."""
+                 nbytes: int | None = None, is_read_only: bool = False) -> None:
+        """`pools` and `nbytes` for layout 2 (then `geometry` is the first pool's);
+        `is_read_only`: the mapping is PROT_READ (every view read-only)."""
         self._name = name
+        self.is_read_only = is_read_only  # mapped PROT_READ: every view is read-only
         self._mmap: mmap.mmap | None = mapping
         self._geometry = geometry
         self._uuid = segment_uuid
@@ -332,8 +340,8 @@ class Segment:
         return cls.attach(name)
 
     @classmethod
-    def attach(cls, name: str) -> Segment:
-        """Map an existing segment and validate its header.
+    def attach(cls, name: str, read_only: bool = False) -> Segment:
+        """Map an existing segment and validate its header; `read_only`: map it PROT_READ.
 
         Raises:
             BadArgsError: bad name.
@@ -343,7 +351,7 @@ class Segment:
         """
         check_name(name)
         try:
-            shm = posix_ipc.SharedMemory(name)
+            shm = posix_ipc.SharedMemory(name, read_only=read_only)
         except posix_ipc.ExistentialError:
             raise NotFoundError(f"no segment {name}: start the daemon (kvd start) or check "
                                 "--name") from None
@@ -361,15 +369,16 @@ class Segment:
             if file_nbytes < HEADER_NBYTES:
                 raise VersionError(f"{name} is not a kvd segment ({file_nbytes} bytes, smaller "
                                    "than a header): unlink it or choose another --name")
-            mapping = mmap.mmap(shm.fd, file_nbytes)
+            mapping = mmap.mmap(shm.fd, file_nbytes,
+                                access=mmap.ACCESS_READ if read_only else mmap.ACCESS_WRITE)
         finally:
             shm.close_fd()
         try:
             if struct.unpack_from("<I", mapping, len(MAGIC))[0] == POOLS_LAYOUT_VERSION:
                 pools, segment_uuid, boot_id = _read_pools_header(name, mapping)
                 return cls(name, mapping, pools[0].geometry, segment_uuid, boot_id, pools,
-                           len(mapping))
-            return cls(name, mapping, *_read_header(name, mapping))
+                           len(mapping), is_read_only=read_only)
+            return cls(name, mapping, *_read_header(name, mapping), is_read_only=read_only)
         except BaseException:
             mapping.close()
             raise

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from kvd.server.loop import Server
 from kvd.server import startup
+from kvd.server.service import Limits
 from kvd.server.startup import DaemonConfig, is_running, take_lock
 
-__all__ = ["DaemonConfig", "Server", "is_running", "launch", "take_lock"]
+__all__ = ["DaemonConfig", "Limits", "Server", "is_running", "launch", "take_lock"]
 
 
 def launch(config: DaemonConfig) -> Server:

@@ -27,11 +27,16 @@ more non-blocking select to let them join it cost more seal throughput than the 
 saved (4 clients at batch 16, `python -m bench.seal_throughput`).
 
 A connection is closed for framing errors (the byte stream is unsynchronised), when its peer
-dies, when it lets more than MAX_OUTPUT_NBYTES of replies pile up unread, and when it has not
-said hello within HELLO_TIMEOUT_S of its accept (a silent connection would otherwise hold a
-session and an fd forever). Connections wait for their hello in accept order, all with the same
-timeout, so the loop checks only the oldest ones: nothing per request. Closing releases the
-session's pins and frees its unsealed blocks (Service.close_session). Every other bad request gets
+dies, when it lets more than `--max-output-nbytes` of replies pile up unread, when the replies
+all connections leave unread pass `--max-total-output-nbytes` (the connections holding the most
+are closed first, until the rest fit: the one that did not read pays, not the others), and when
+it has not said hello within HELLO_TIMEOUT_S of its accept (a silent connection would otherwise
+hold a session and an fd forever). Connections wait for their hello in accept order, all with
+the same timeout, so the loop checks only the oldest ones: nothing per request. Closing queues
+the release of the session's pins and unsealed blocks (Service.close_session), and each
+iteration releases at most RELEASE_STEP_PINS of them, so closing a session that holds a million
+pins stalls the other clients for a step's fraction of a millisecond at a time, not for the
+whole release (`python -m bench.hostile` measures it). Every other bad request gets
 an error reply and the session goes on; an unexpected exception in a handler is logged and
 answered INTERNAL — no client can take the daemon down. A kvd bug that escapes the loop itself
 ends it like a crash, keeping segment and journal for --recover.
@@ -62,7 +67,10 @@ from kvd.server.startup import Started
 log = logging.getLogger("kvd")
 
 RECV_NBYTES = 256 * 1024
-MAX_OUTPUT_NBYTES = 16 * 1024 * 1024
+# Pins released per iteration for closed sessions: 1,024 take 0.06 ms (C pool) to 0.2 ms (pure
+# Python) at the median, so a teardown adds about that to a client's round trip, where a
+# million pins at once stalled every client for tens of ms (`python -m bench.hostile`).
+RELEASE_STEP_PINS = 1024
 ACCEPT_RETRY_S = 1.0  # out of fds: how long the listener rests before the loop tries again
 HELLO_TIMEOUT_S = 10.0  # a connection that has not said hello by then is closed
 _PEERCRED = struct.Struct("3i")
@@ -99,6 +107,8 @@ class Server:
         self._wakeup = started.wakeup
         self._selector = started.selector
         self._connections: dict[int, Connection] = {}  # by socket fd
+        self._limits = started.service.limits
+        self._writing: set[Connection] = set()  # connections with replies queued unsent
         self._replied: set[Connection] = set()  # connections with replies held for the commit
         # One receive buffer for every connection (the decoder copies what it keeps):
         # sock.recv(RECV_NBYTES) would have malloc map and unmap 256 KiB on every call.
@@ -127,6 +137,7 @@ class Server:
         """Close every session, then release what startup built."""
         for connection in list(self._connections.values()):
             self._close(connection, "daemon stopping")
+        self.service.release_deferred(self.service.num_deferred)
         if self._stop.keep and self.journal is not None:
             self._commit_journal(self.journal)  # pending tombstones: a smaller log to replay
         self.started.resources.close()  # releases the flock last: the name is free only then
@@ -140,8 +151,8 @@ class Server:
         """Serve until asked to stop, then release everything (even if the loop fails)."""
         stop = self._stop
         try:
-            while not stop.is_requested:
-                self.serve_once(1.0)
+            while not stop.is_requested:  # (no waiting while closed sessions are released)
+                self.serve_once(0.0 if self.service.num_deferred else 1.0)
         except BaseException:
             # A kvd bug escaped the loop (handlers' errors never do): end like a crash, keeping
             # what --recover restores, rather than like a plain stop that removes the cache.
@@ -175,6 +186,8 @@ class Server:
         # The replies are out: while the clients think, ask the policy for the next victim of
         # a full pool, a third of the next allocation's eviction (kvd/core/pool.py).
         self.service.pool.choose_next_victim()
+        if self.service.num_deferred:
+            self.service.release_deferred(RELEASE_STEP_PINS)
         if self._accept_retry_at is not None and time.monotonic() >= self._accept_retry_at:
             self._resume_accepting()
         if self._hello_due:
@@ -265,7 +278,7 @@ class Server:
         requests = connection.decoder.requests(chunk)  # the usual chunk, decoded in C
         if requests is not None:  # (and the usual one request without a comprehension's frame)
             replies = ([self._reply(session, requests[0])] if len(requests) == 1 else
-                       [self._reply(session, request) for request in requests])
+                       self._replies(connection, requests, True))
         else:
             try:
                 bodies = connection.decoder.feed(chunk)
@@ -274,7 +287,9 @@ class Server:
                 _send_quietly(connection.sock, bytes(connection.output) + encode_error(None, exc))
                 self._close(connection, f"framing error: {exc}")
                 return
-            replies = [self._reply(session, None, body) for body in bodies]
+            replies = self._replies(connection, bodies, False)
+        if not replies:
+            return  # (no whole frame yet, or the connection was closed)
         if self.journal is not None and self.journal.num_seals_pending:
             connection.pending += replies  # held for this iteration's commit
             self._replied.add(connection)
@@ -294,6 +309,24 @@ class Server:
         if sent != len(data):
             connection.output += data[sent:]
             self._flush(connection)
+
+    def _replies(self, connection: Connection, items: list[Any], is_decoded: bool
+                 ) -> list[tuple[int | None, bytes, bool]]:
+        """The replies to a chunk's requests (decoded, or frame bodies), handled in turn while
+        they fit --max-output-nbytes: a chunk that asks more than that (pipelined forks of a
+        long sequence, say) is not read as it comes, so it is cut before the daemon builds
+        more of it (closed; returns [])."""
+        session, limit = connection.session, self._limits.max_output_nbytes
+        replies, nbytes = [], 0
+        for item in items:
+            reply = self._reply(session, item) if is_decoded else self._reply(session, None, item)
+            replies.append(reply)
+            nbytes += len(reply[1])
+            if nbytes > limit:
+                self._close(connection, f"one read asked {nbytes} bytes of replies and more "
+                            "(kvd start --max-output-nbytes): client not reading")
+                return []
+        return replies
 
     def _reply(self, session: Session, request: tuple[int, str, dict[str, Any]] | None,
                body: bytes = b"") -> tuple[int | None, bytes, bool]:
@@ -410,8 +443,9 @@ class Server:
             if sent is None:
                 return
             del output[:sent]
-        if len(output) > MAX_OUTPUT_NBYTES:
-            self._close(connection, f"{len(output)} bytes of replies unread: client not reading")
+        if len(output) > self._limits.max_output_nbytes:
+            self._close(connection, f"{len(output)} bytes of replies unread: client not reading "
+                        f"(kvd start --max-output-nbytes)")
             return
         wants_write = bool(output)
         if wants_write != connection.is_writing:
@@ -419,23 +453,40 @@ class Server:
             handler = self._on_writable if wants_write else self._read
             self._selector.modify(connection.sock, events, (handler, connection))
             connection.is_writing = wants_write
+            (self._writing.add if wants_write else self._writing.discard)(connection)
+        if wants_write:
+            self._check_total_output()
+
+    def _check_total_output(self) -> None:
+        """Close the connections with the most replies unread while all together hold more
+        than --max-total-output-nbytes (module docstring)."""
+        num_nbytes = sum([len(c.output) for c in self._writing])
+        limit = self._limits.max_total_output_nbytes
+        if num_nbytes <= limit:
+            return
+        for connection in sorted(self._writing, key=lambda c: len(c.output), reverse=True):
+            num_nbytes -= len(connection.output)
+            self._close(connection, f"{len(connection.output)} bytes of replies unread while "
+                        f"all connections hold more than {limit} (kvd start "
+                        "--max-total-output-nbytes): client not reading")
+            if num_nbytes <= limit:
+                return
 
     def _close(self, connection: Connection, reason: str) -> None:
         fd = connection.sock.fileno()
         if self._connections.pop(fd, None) is None:
             return
         self._hello_due.pop(connection, None)
+        self._writing.discard(connection)
         self._selector.unregister(connection.sock)
         connection.sock.close()
         if connection.pidfd is not None:
             self._selector.unregister(connection.pidfd)
             os.close(connection.pidfd)
         session = connection.session
-        held = sum(len(self.service.pool.holdings(owner))
-                   for owner in (session.session_id, *session.seq_ids))
-        self.service.close_session(session)
-        log.info("session %d (pid %d) closed: %s; released %d blocks",
-                 session.session_id, session.pid, reason, held)
+        num_pins = self.service.close_session(session)
+        log.info("session %d (pid %d) closed: %s; releasing %d pins",
+                 session.session_id, session.pid, reason, num_pins)
         if self._accept_retry_at is not None and not self._stop.is_requested:
             self._resume_accepting()  # its fds are free again
 

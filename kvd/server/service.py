@@ -36,8 +36,8 @@ from typing import Any
 
 from kvd import native, protocol
 from kvd.errors import (
-    BadArgsError, DeniedError, InternalError, JournalError, NoSpaceError, NotFoundError, ProtocolError, UnknownOpError,
-    VersionError,
+    BadArgsError, DeniedError, InternalError, JournalError, NoSpaceError, NotFoundError,
+    ProtocolError, TooLargeError, UnknownOpError, VersionError,
 )
 from kvd.geometry import Geometry
 from kvd.hashing import HASH_VERSION
@@ -58,6 +58,30 @@ MAX_SALT_NBYTES = 256
 # KVD_DEBUG=1 in the daemon's environment adds the `check_invariants` op (tests and soaks use it;
 # it is O(num_blocks), so it stays off in production).
 DEBUG_ENV = "KVD_DEBUG"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one session, and all of them together, may hold: far above any honest workload,
+    low enough that no client takes the daemon's memory (`kvd start --max-*`; the flag of each
+    is its name with dashes). A request past a limit gets TOO_LARGE naming it and its flag.
+
+    Pins count what a session's sequences hold in the pool and page table (~200 bytes each): a
+    forked sequence's shared sealed head counts once (kvd/core/page_table.py), raw pins by
+    `lookup`/`pin` are not counted (they are bounded by the pool: one entry per block).
+    """
+
+    max_sequences: int = 1 << 16  # open sequences per session
+    max_forks: int = 1 << 14  # open sequences per session made by seq_fork
+    max_pins: int = 1 << 20  # block pins held by a session's sequences
+    max_output_nbytes: int = 16 << 20  # replies one connection leaves unread
+    max_total_output_nbytes: int = 256 << 20  # replies all connections together leave unread
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if type(value) is not int or value <= 0:
+                raise BadArgsError(f"--{name.replace('_', '-')} must be a positive int, "
+                                   f"got {value!r}")
 
 
 @dataclass(eq=False)
@@ -82,6 +106,8 @@ class Session:
     hot: HotOps  # the hot ops: plain names for `served`, OP@NAME for every pool
     is_ready: bool = False  # said hello
     seq_ids: set[int] = field(default_factory=set)
+    fork_ids: set[int] = field(default_factory=set)  # those of seq_ids made by seq_fork
+    num_pins: int = 0  # held by its sequences, in every pool (Limits.max_pins)
 
 
 class Service:
@@ -91,14 +117,16 @@ class Service:
                  copy_block: Callable[[int, int], None], info: dict[str, Any],
                  ops: OpStats | None = None,
                  on_shutdown: Callable[[bool], None] | None = None,
-                 pool_name: str = "default") -> None:
+                 pool_name: str = "default", limits: Limits = Limits()) -> None:
         """Args:
             pool, geometry: the first pool (`add_pool` adds others), named `pool_name`.
             copy_block: copies one block's bytes to another (fork of unsealed blocks).
             info: facts `hello` returns besides geometry (segment name, uuid, daemon pid, ...).
             ops: per-op request and error counts to report in `stats` (the daemon's).
             on_shutdown: stops the daemon (`keep`: keep segment and journal); None refuses.
+            limits: what each session may hold.
         """
+        self.limits = limits
         self._on_shutdown = on_shutdown
         self.ops = ops or OpStats()
         # Set while the journal cannot be written: writes fail closed with this reason.
@@ -154,6 +182,8 @@ class Service:
 
         def alloc(num_blocks: int, owner: int) -> list[int]:
             block_ids = pool.allocate(num_blocks, owner)
+            if block_ids is None and self._release_closed():
+                block_ids = pool.allocate(num_blocks, owner)
             if block_ids is None:
                 raise NoSpaceError(served.page_table._no_space(num_blocks))
             return block_ids
@@ -183,19 +213,59 @@ class Service:
         self.counters["sessions_opened"] += 1
         return session
 
-    def close_session(self, session: Session) -> None:
-        """Release everything the session holds; safe to call twice."""
+    def close_session(self, session: Session) -> int:
+        """Queue the release of everything the session holds, in every pool (`release_deferred`
+        does it a bounded step at a time, so a big session's close stalls nobody); returns the
+        pins queued. Safe to call twice."""
         if self.sessions.pop(session.session_id, None) is None:
-            return
+            return 0
+        num_queued = self.num_deferred
         for seq_id in sorted(session.seq_ids, reverse=True):
             for served in self.served.values():
                 record = served.page_table.sequences.get(seq_id)
                 if record is not None:
-                    served.page_table.close(record)
+                    served.page_table.close(record, is_deferred=True)
         session.seq_ids.clear()
         for served in self.served.values():
-            served.pool.release_owner(session.session_id)
+            held = served.pool.holdings(session.session_id)
+            # Highest id released first approximates "tail first" for chains allocated in one
+            # batch.
+            served.page_table.defer_release([b for b in sorted(held) for _ in range(held[b])],
+                                            session.session_id)
         self.counters["sessions_closed"] += 1
+        return self.num_deferred - num_queued
+
+    @property
+    def num_deferred(self) -> int:
+        """Pins of closed sessions not released yet, in every pool."""
+        return sum(served.page_table.num_deferred for served in self.served.values())
+
+    def release_deferred(self, max_pins: int) -> bool:
+        """Release up to `max_pins` pins of closed sessions; whether any are left."""
+        for served in self.served.values():
+            page_table = served.page_table
+            num_before = page_table.num_deferred
+            if num_before and max_pins > 0:
+                page_table.release_deferred(max_pins)
+                max_pins -= num_before - page_table.num_deferred
+        return self.num_deferred > 0
+
+    def _with_room(self, call: Callable[[], Any]) -> Any:
+        """`call()` (all or nothing on NoSpaceError), once more after releasing what closed
+        sessions still pin if it found no room."""
+        try:
+            return call()
+        except NoSpaceError:
+            if not self._release_closed():
+                raise
+            return call()
+
+    def _release_closed(self) -> bool:
+        """Release every pin closed sessions still hold, in every pool (the arena moves memory
+        between pools, so any pool's freed blocks can make room); whether there was any."""
+        num_deferred = self.num_deferred
+        self.release_deferred(num_deferred)
+        return num_deferred > 0
 
     def handle(self, session: Session, op: str, args: dict[str, Any]) -> Any:
         """Run one request. Raises a KvdError for the error reply (UNKNOWN_OP, BAD_ARGS, ...)."""
@@ -324,11 +394,17 @@ class Service:
             arena = getattr(served.pool, "arena", None)
             (served.pool if arena is None else arena).check_invariants()
             open_ids |= set(served.page_table.sequences)
-            stray = set(served.pool.owners()) - seq_ids - set(self.sessions)
+            stray = (set(served.pool.owners()) - seq_ids - set(self.sessions)
+                     - served.page_table.owners())
             if stray:
                 raise InternalError(f"pool {served.name!r} owners {sorted(stray)} are neither "
-                                    "live sessions nor their sequences: a closed session's pins "
-                                    "were not released")
+                                    "live sessions, their sequences nor queued releases: a "
+                                    "closed session's pins were not released")
+        num_pins = sum(s.num_pins for s in self.sessions.values())
+        num_table_pins = sum(served.page_table.num_pins for served in self.served.values())
+        if num_pins != num_table_pins:
+            raise InternalError(f"sessions count {num_pins} sequence pins, the page tables "
+                                f"{num_table_pins}")
         if seq_ids != open_ids:
             raise InternalError(f"open sequences {sorted(open_ids)} != those of "
                                 f"live sessions {sorted(seq_ids)}: a session leaked a sequence")
@@ -361,9 +437,31 @@ class Service:
         salt = arg_bytes(args, "salt", MAX_SALT_NBYTES, b"")
         max_cached = arg_int(args, "max_cached_tokens", 0, default=None)
         self._check_length(served, len(tokens) // 4)
-        record, num_cached = served.page_table.open(tokens, salt, max_cached)
+        self._check_limit(len(session.seq_ids) + 1, "max_sequences", "open sequences")
+        self._check_pins(session, -(-len(tokens) // 4 // served.geometry.block_size))
+        record, num_cached = self._counting_pins(served, session, lambda: served.page_table.open(
+            tokens, salt, max_cached))
         session.seq_ids.add(record.seq_id)
         return self._describe(record, num_cached_tokens=num_cached)
+
+    def _check_limit(self, num: int, name: str, what: str) -> None:
+        limit = getattr(self.limits, name)
+        if num > limit:
+            raise TooLargeError(f"this session would hold {num} {what}, above the daemon's "
+                                f"limit of {limit} (kvd start --{name.replace('_', '-')})")
+
+    def _check_pins(self, session: Session, num_new: int) -> None:
+        self._check_limit(session.num_pins + num_new, "max_pins", "block pins in its sequences")
+
+    def _counting_pins(self, served: Served, session: Session, call: Callable[[], Any]) -> Any:
+        """`call()` (an op of `served`'s page table), its change of the sequences' pins charged
+        to `session`."""
+        page_table = served.page_table
+        num_pins = page_table.num_pins
+        try:
+            return self._with_room(call)
+        finally:
+            session.num_pins += page_table.num_pins - num_pins
 
     def _seq_extend(self, served: Served, session: Session, args: dict[str, Any]) -> list[int]:
         self._check_writable()
@@ -371,8 +469,12 @@ class Service:
         record = self._sequence(served, session, args)
         tokens = self._tokens(args)
         num_computed = arg_int(args, "num_computed", 0, record.num_tokens, record.num_tokens)
-        self._check_length(served, record.num_tokens + len(tokens) // 4)
-        return served.page_table.extend(record, tokens, num_computed)
+        num_tokens = record.num_tokens + len(tokens) // 4
+        self._check_length(served, num_tokens)
+        self._check_pins(session, -(-num_tokens // served.geometry.block_size)
+                         - len(record.own_block_ids) - record.num_run_blocks)
+        return self._counting_pins(
+            served, session, lambda: served.page_table.extend(record, tokens, num_computed))
 
     @staticmethod
     def _check_length(served: Served, num_tokens: int) -> None:
@@ -392,15 +494,21 @@ class Service:
     def _seq_fork(self, served: Served, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         self._check_writable()
         check_no_extra(args, ("seq_id",))
-        child = served.page_table.fork(self._sequence(served, session, args))
+        record = self._sequence(served, session, args)
+        self._check_limit(len(session.seq_ids) + 1, "max_sequences", "open sequences")
+        self._check_limit(len(session.fork_ids) + 1, "max_forks", "forked sequences")
+        self._check_pins(session, len(record.own_block_ids) - len(record.own_hashes))
+        child = self._counting_pins(served, session, lambda: served.page_table.fork(record))
         session.seq_ids.add(child.seq_id)
+        session.fork_ids.add(child.seq_id)
         return self._describe(child)
 
     def _seq_close(self, served: Served, session: Session, args: dict[str, Any]) -> None:
         check_no_extra(args, ("seq_id",))
         record = self._sequence(served, session, args)
         session.seq_ids.discard(record.seq_id)
-        served.page_table.close(record)
+        session.fork_ids.discard(record.seq_id)
+        self._counting_pins(served, session, lambda: served.page_table.close(record))
 
     def _seq_info(self, served: Served, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         check_no_extra(args, ("seq_id",))

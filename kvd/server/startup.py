@@ -67,7 +67,7 @@ from kvd.server.metrics import OpStats, serve_metrics
 from kvd.server.config import PoolSpec, check_pools
 from kvd.server.recovery import (attach_pools, attach_recoverable, drop_shared_slabs,
                                  load_journal, read_stamp, reshape, restore, stamp)
-from kvd.server.service import Service
+from kvd.server.service import Limits, Service
 
 log = logging.getLogger("kvd")
 
@@ -85,6 +85,7 @@ class DaemonConfig:
         journal: keep the crash-recovery journal (off: faster seals, nothing survives).
         pools: several pools (kvd/server/config.py) sharing `budget_nbytes` through an arena
             (kvd/core/arena.py); empty: the one pool of `geometry`, named "default".
+        limits: what each session, and all together, may hold (`--max-*`).
     """
 
     paths: DaemonPaths
@@ -97,6 +98,7 @@ class DaemonConfig:
     journal: bool = True
     pools: tuple[PoolSpec, ...] = ()
     budget_nbytes: int = 0
+    limits: Limits = Limits()
 
     def __post_init__(self) -> None:
         port = self.metrics_port
@@ -225,7 +227,7 @@ def start(config: DaemonConfig) -> Started:
             assert not isinstance(journal, PoolJournals)
             segment, pool, num_restored = _open_pool(config, journal, stop, undo)
             service = Service(pool, config.geometry, _block_copier(segment.pool), {}, OpStats(),
-                              on_shutdown=stop.on_shutdown)
+                              on_shutdown=stop.on_shutdown, limits=config.limits)
         service.info.update({"segment": segment.name, "segment_uuid": segment.uuid,
                              "daemon_pid": os.getpid(), "name": paths.name})
         if journal is not None:
@@ -234,7 +236,7 @@ def start(config: DaemonConfig) -> Started:
         undo.callback(_release_listener, listener, paths.socket_path)
         _write_pidfile(paths.pid_path)
         if config.metrics_port is not None:
-            service.info["metrics_port"] = _serve_metrics(config.metrics_port, service)
+            service.info["metrics_port"] = _serve_metrics(config.metrics_port, service, undo)
     except BaseException:
         undo.close()
         raise
@@ -391,7 +393,8 @@ def _open_pools(config: DaemonConfig, journals: PoolJournals | None, stop: Stop,
         copy_block = _slab_copier(segment.slabs_of(spec.name), pool.blocks_per_slab)
         if service is None:
             service = Service(pool, geometry, copy_block, {}, OpStats(),
-                              on_shutdown=stop.on_shutdown, pool_name=spec.name)
+                              on_shutdown=stop.on_shutdown, pool_name=spec.name,
+                              limits=config.limits)
         else:
             service.add_pool(spec.name, pool, geometry, copy_block)
     if service is None:
@@ -545,11 +548,14 @@ def _install_signals(stop: Stop, undo: ExitStack) -> socket.socket:
     return wakeup
 
 
-def _serve_metrics(port: int, service: Service) -> int:
-    """Serve metrics on 127.0.0.1:`port`; returns the port bound (`port`, or the kernel's pick
-    for 0)."""
+def _serve_metrics(port: int, service: Service, undo: ExitStack) -> int:
+    """Serve metrics on 127.0.0.1:`port` until `undo`; returns the port bound (`port`, or the
+    kernel's pick for 0)."""
     try:
-        bound = serve_metrics(port, service.stats, service.ops)
+        server = serve_metrics(port, service.stats, service.ops)
+        undo.callback(server.server_close)
+        undo.callback(server.shutdown)
+        bound = int(server.server_address[1])
     except OSError as exc:
         error = InUseError if exc.errno == errno.EADDRINUSE else KvdError
         raise error(f"cannot serve metrics on 127.0.0.1:{port}: {exc.strerror or exc}") from None

@@ -298,3 +298,26 @@ def test_raw_seals_with_parents_and_tiers_reach_the_prefix_tree(daemon_factory):
         assert client.stats()["evictions"] == 3
         with pytest.raises(kvd.BadArgsError, match="parents"):
             client.seal(client.alloc(1), hashes[:1], parents=[b""])
+
+
+def test_a_read_only_client_reads_sealed_blocks_and_cannot_write_any(kvd_daemon):
+    hashes = kvd.hash_blocks(np.arange(4), 4)
+    with kvd_daemon.connect() as writer, kvd_daemon.connect(read_only=True) as reader:
+        [block_id] = writer.alloc(1)
+        writer.view(block_id)[:] = 7.0
+        writer.seal([block_id], hashes)
+        assert reader.lookup(hashes) == [block_id]
+        view = reader.view(block_id)
+        assert (view == 7.0).all() and not view.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            view[:] = 0.0  # a stray write raises instead of changing a sealed block
+        with pytest.raises(ValueError):
+            view.flags.writeable = True
+        assert (writer.view(block_id) == 7.0).all()
+        for op, args in (("alloc", (1,)), ("seal", ([block_id], hashes)),
+                         ("open_sequence", (np.arange(5),))):
+            with pytest.raises(kvd.DeniedError, match=f"{op} writes blocks.*read-only"):
+                getattr(reader, op)(*args)
+        del view
+        reader.release([block_id])
+        writer.release([block_id])

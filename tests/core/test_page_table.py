@@ -168,7 +168,10 @@ def test_fork_shares_sealed_blocks_and_copies_unsealed_ones(h):
     assert child.block_ids[2] != parent.block_ids[2]
     assert h.copies == [(parent.block_ids[2], child.block_ids[2])]
     assert (h.store[child.block_ids[2]] == 3).all()
-    assert [h.pool.ref_count(b) for b in parent.block_ids[:2]] == [2, 2]
+    # Shared copy-on-write: pinned once, by the run both sequences now start with.
+    assert child.run is parent.run and child.run.block_ids == parent.block_ids[:2]
+    assert [h.pool.ref_count(b) for b in parent.block_ids[:2]] == [1, 1]
+    assert h.pool.holdings(parent.run.owner) == {b: 1 for b in parent.block_ids[:2]}
     assert child.hashes == parent.hashes and bytes(child.tokens) == bytes(parent.tokens)
     h.table.close(parent)
     assert [h.pool.state(b) for b in child.block_ids] == ["sealed", "sealed", "owned"]
@@ -197,3 +200,54 @@ def test_close_releases_tail_first_so_the_chain_tail_is_evicted_first():
     assert h.pool.find(hashes[2]) is None
     assert h.pool.find(hashes[0]) is not None and h.pool.find(hashes[1]) is not None
     h.pool.check_invariants()
+
+
+def test_forks_of_forks_share_one_chain_and_release_it_after_the_last_sequence(h):
+    parent, _ = h.table.open(tokens(6))
+    h.table.commit(parent, 6)  # block 0 sealed, block 1 (2 tokens) private
+    child = h.table.fork(parent)
+    h.table.extend(child, tokens(3, start=6), 6)  # grows to block 2
+    h.table.commit(child, 8)  # seals its block 1
+    grandchild = h.table.fork(child)
+    assert grandchild.run.parent is parent.run and len(h.table.runs) == 2
+    assert grandchild.block_ids[:2] == child.block_ids[:2]
+    assert bytes(grandchild.tokens) == bytes(child.tokens) == tokens(9)
+    assert grandchild.hashes == child.hashes == hash_blocks(np.arange(8), BLOCK_SIZE)
+    h.table.commit(grandchild, 9)  # nothing new: block 2 holds a token only
+    assert h.table.extend(grandchild, tokens(3, start=9), 9) == []
+    assert h.table.commit(grandchild, 12) == 1
+    assert grandchild.hashes == hash_blocks(np.arange(12), BLOCK_SIZE)
+    for record in (parent, child, grandchild):
+        h.table.close(record)
+    assert h.table.runs == {} and h.table.num_pins == 0 and h.pool.owners() == []
+    assert h.pool.num_owned == 0 and h.pool.num_cached == 3
+
+
+def test_a_fork_copies_no_table_and_takes_no_pin_on_the_sealed_head():
+    h = Harness(num_blocks=1100)
+    parent, _ = h.table.open(tokens(4 * 1000 + 1))
+    h.table.commit(parent, parent.num_tokens)
+    first = h.table.fork(parent)
+    num_pins = h.table.num_pins
+    children = [h.table.fork(parent) for _ in range(50)]
+    assert h.table.num_pins == num_pins + 50  # each: one copy of the 1-token tail block
+    assert all(c.run is first.run and len(c.own_tokens) == 4 for c in children)
+    for record in (parent, first, *children):
+        h.table.close(record)
+    h.pool.check_invariants()
+
+
+def test_deferred_close_releases_tail_first_in_bounded_steps():
+    h = Harness(num_blocks=8, policy="lru")
+    record, _ = h.table.open(tokens(24))
+    h.table.commit(record, 24)
+    hashes = record.hashes
+    h.table.close(record, is_deferred=True)
+    assert h.pool.num_sealed == 6 and h.table.num_deferred == 6
+    assert h.table.owners() == {record.owner}
+    for remaining in (4, 2, 0):
+        h.table.release_deferred(2)
+        assert h.table.num_deferred == remaining
+    assert h.pool.num_cached == 6 and h.table.owners() == set()
+    h.pool.allocate(3, owner=1)  # 2 free + 1 eviction: the chain's tail goes first
+    assert h.pool.find(hashes[5]) is None and h.pool.find(hashes[4]) is not None

@@ -212,3 +212,51 @@ def test_metrics_endpoint_serves_kvd_metrics_that_agree_with_kvd_stats(daemon_fa
     listed = set(re.findall(r"`(kvd_[a-z_]+)(?:\{[a-z,]+\})?`", section))
     exported = {name for name, _ in got if not name.startswith("kvd_request_latency_seconds")}
     assert listed == exported | {"kvd_request_latency_seconds"}
+
+
+@pytest.fixture
+def metrics_server():
+    from kvd.server.metrics import serve_metrics
+
+    calls = []
+
+    def stats():
+        calls.append(1)
+        return FAKE_STATS
+
+    server = serve_metrics(0, stats, OpStats())
+    yield server, calls
+    server.shutdown()
+    server.server_close()
+
+
+def test_scrapes_share_one_rendering_and_are_paced(metrics_server):
+    from kvd.server.metrics import MIN_REPLY_INTERVAL_S
+
+    server, calls = metrics_server
+    port = server.server_address[1]
+    started = time.monotonic()
+    bodies = [urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+              for _ in range(5)]
+    assert len(calls) == 1 and len(set(bodies)) == 1 and b"kvd_blocks" in bodies[0]
+    assert time.monotonic() - started >= 4 * MIN_REPLY_INTERVAL_S
+
+
+def test_stalled_connections_hold_a_bounded_number_of_threads(metrics_server):
+    from kvd.server.metrics import MAX_CONNECTIONS
+
+    server, _ = metrics_server
+    port = server.server_address[1]
+    before = threading.active_count()
+    stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(100)]
+    try:
+        time.sleep(0.5)
+        assert threading.active_count() - before <= MAX_CONNECTIONS
+    finally:
+        for sock in stalled:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)  # (their handlers see EOF and end, freeing their slots)
+    assert b"kvd_blocks" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                                   timeout=10).read()

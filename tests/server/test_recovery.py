@@ -41,6 +41,7 @@ from kvd.server.daemon import DaemonConfig, Server, launch
 from kvd.geometry import Geometry
 from kvd.core.pool import ORPHAN
 from kvd.server.journal import JOURNAL_FILENAME, Journal
+from kvd.server.metrics import RENDER_TTL_S
 from kvd.protocol import PROTOCOL_VERSION, FrameDecoder, encode_request, parse_reply, unpack_body
 from kvd.runtime import DaemonPaths, state_dir
 
@@ -649,6 +650,7 @@ def free_port() -> int:
 
 
 def scrape(port: int, metric: str) -> float:
+    time.sleep(RENDER_TTL_S)  # (a scrape's numbers may be that old: one rendering is shared)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         for line in reply.read().decode().splitlines():
             if line.startswith(metric + " "):

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 
 from kvd.errors import (
-    BadArgsError, InUseError, NoSpaceError, NotFoundError, ProtocolError, UnknownOpError,
-    VersionError,
+    BadArgsError, InUseError, NoSpaceError, NotFoundError, ProtocolError, TooLargeError,
+    UnknownOpError, VersionError,
 )
 from kvd.geometry import Geometry
 from kvd.hashing import hash_blocks, token_bytes
 from kvd.core.pool import BlockPool
 from kvd import native, protocol
 from kvd.protocol import PROTOCOL_VERSION
-from kvd.server.service import MAX_BATCH, Service
+from kvd.server.service import MAX_BATCH, Limits, Service
 
 GEOMETRY = Geometry(num_blocks=16, num_layers=1, block_size=4, num_kv_heads=1, head_dim=2,
                     dtype="float32")
@@ -203,8 +203,12 @@ def test_close_session_releases_raw_pins_and_every_sequence(h):
     seq = h.service.handle(a, "seq_open", {"tokens": token_bytes(range(9))})
     h.service.handle(a, "seq_fork", {"seq_id": seq["seq_id"]})
     pinned_by_b = h.service.handle(b, "lookup", {"hashes": HASHES[:1]})
-    h.service.close_session(a)
-    h.service.close_session(a)  # idempotent: EOF and pidfd may both report the same death
+    assert h.service.close_session(a) == 3 + 3 + 1  # raw pins, the sequence's, the fork's copy
+    assert h.service.close_session(a) == 0  # idempotent: EOF and pidfd may both report it
+    # Queued, then released a bounded step at a time (the loop does one step per iteration).
+    assert h.service.stats()["owned"] > 0
+    assert h.service.release_deferred(4) and not h.service.release_deferred(4)
+    h.service.check_invariants()
     stats = h.service.stats()
     assert (stats["owned"], stats["sequences"], stats["sessions"]) == (0, 0, 1)
     assert (stats["sealed"], stats["cached"]) == (1, 1)  # b still pins the first block
@@ -260,3 +264,60 @@ def test_no_reply_can_outgrow_a_frame_after_the_pool_changed():
                service.handle(session, "seq_fork", {"seq_id": seq["seq_id"]})]
     for reply in biggest:
         protocol.FrameEncoder().frame([1, True, reply])  # raises TooLargeError above the cap
+
+
+def limited(**limits) -> tuple[Service, object]:
+    service = Service(BlockPool(GEOMETRY.num_blocks, "lru"), GEOMETRY, lambda src, dst: None, {},
+                      limits=Limits(**limits))
+    session = service.open_session(1, 0)
+    service.handle(session, "hello", {"version": PROTOCOL_VERSION})
+    return service, session
+
+
+@pytest.mark.parametrize("limit, ops, flag", [
+    ({"max_sequences": 2}, ["open", "open", "open"], "--max-sequences"),
+    ({"max_sequences": 2}, ["open", "fork", "fork"], "--max-sequences"),
+    ({"max_forks": 2}, ["open", "fork", "fork", "fork"], "--max-forks"),
+    ({"max_pins": 5}, ["open", "open", "open"], "--max-pins"),  # 2 blocks each
+    ({"max_pins": 3}, ["open", "extend", "extend"], "--max-pins"),  # 2, 3, then 4 blocks
+])
+def test_a_session_past_a_limit_gets_too_large_naming_the_flag_and_nothing_changes(limit, ops,
+                                                                                    flag):
+    service, session = limited(**limit)
+    tokens = token_bytes(range(GEOMETRY.block_size + 1))
+    seq_id = None
+    for index, op in enumerate(ops):
+        call = {"open": ("seq_open", {"tokens": tokens}),
+                "fork": ("seq_fork", {"seq_id": seq_id}),
+                "extend": ("seq_extend", {"seq_id": seq_id, "tokens": tokens})}[op]
+        if index < len(ops) - 1:
+            reply = service.handle(session, *call)
+            seq_id = seq_id or reply["seq_id"]
+            continue
+        before = (service.pool.stats(), len(service.page_table.sequences), session.num_pins)
+        with pytest.raises(TooLargeError, match=f"limit of .*kvd start {flag}"):
+            service.handle(session, *call)
+        assert (service.pool.stats(), len(service.page_table.sequences),
+                session.num_pins) == before
+    service.check_invariants()
+    service.close_session(session)
+    assert not service.release_deferred(1 << 20)
+    service.check_invariants()
+
+
+def test_closing_forks_gives_their_limits_back():
+    service, session = limited(max_forks=1, max_pins=3)
+    seq = service.handle(session, "seq_open", {"tokens": token_bytes(range(5))})
+    service.handle(session, "seq_commit", {"seq_id": seq["seq_id"], "num_computed": 4})
+    for _ in range(3):  # 2 pins, the fork's copy of the unsealed block: within both limits
+        child = service.handle(session, "seq_fork", {"seq_id": seq["seq_id"]})
+        service.handle(session, "seq_close", {"seq_id": child["seq_id"]})
+        assert session.num_pins == 2 and not session.fork_ids  # (1 in a run, 1 own)
+    service.check_invariants()
+
+
+@pytest.mark.parametrize("name", ["max_pins", "max_output_nbytes"])
+@pytest.mark.parametrize("value", [0, -1, 1.5])
+def test_limits_must_be_positive_ints(name, value):
+    with pytest.raises(BadArgsError, match=f"--{name.replace('_', '-')}"):
+        Limits(**{name: value})

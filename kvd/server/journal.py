@@ -163,6 +163,7 @@ def pool_journal_filename(pool: str) -> str:
     """The journal of one of several pools (a single-pool daemon's is JOURNAL_FILENAME)."""
     return f"journal-{pool}.sqlite3"
 
+
 _LOG_TABLE = """CREATE TABLE IF NOT EXISTS log (
     chunk_id INTEGER PRIMARY KEY,
     key_width INTEGER NOT NULL,

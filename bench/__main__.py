@@ -36,7 +36,7 @@ from kvd import native
 BENCHES = ("control_plane", "request_path", "scaling", "data_plane", "e2e", "policies",
            "hit_ratio", "pool", "hashing", "recovery", "journal_commit", "seal_throughput",
            "transformers_e2e", "embedded", "client_threads", "arena_waste",
-            "hostile")
+            "hostile", "remote")
 
 
 def commit() -> str:

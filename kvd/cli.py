@@ -82,6 +82,11 @@ def _add_start(subparsers: Any) -> None:
     parser.add_argument("--recover", action="store_true",
                         help="re-attach the segment and journal a crashed daemon left")
     parser.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics on 127.0.0.1")
+    parser.add_argument("--remote", metavar="URL",
+                        help="remote tier (docs/remote.md): redis://HOST:PORT[/DB] or "
+                             "redis-cluster://HOST:PORT[,HOST:PORT...]")
+    parser.add_argument("--remote-timeout-ms", type=int,
+                        help="how long a lookup waits for the remote tier (default 100)")
     parser.add_argument("--detach", action="store_true", help="daemonise (log to the runtime dir)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -147,7 +152,8 @@ def cmd_start(args: argparse.Namespace) -> int:
                           metrics_port=args.metrics_port, state_dir=args.state_dir,
                           recover=args.recover, journal=not args.no_journal,
                           pools=tuple(pools), budget_nbytes=memory,
-                          limits=_limits(args))
+                          limits=_limits(args),
+                          remote=args.remote, **_remote_timeout(args))
     if args.detach:
         return _detach(config, args.log_level)
     _setup_logging(args.log_level, sys.stderr)
@@ -155,6 +161,15 @@ def cmd_start(args: argparse.Namespace) -> int:
     print(_ready_line(server.started), flush=True)
     server.serve_forever()
     return 0
+
+
+def _remote_timeout(args: argparse.Namespace) -> dict[str, int]:
+    """--remote-timeout-ms if given (DaemonConfig has the default)."""
+    if args.remote_timeout_ms is None:
+        return {}
+    if args.remote is None:
+        raise BadArgsError("--remote-timeout-ms needs --remote")
+    return {"remote_timeout_ms": args.remote_timeout_ms}
 
 
 def _pools(args: argparse.Namespace) -> tuple[list[PoolSpec], int, str]:
@@ -314,6 +329,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"  geometry: {g['num_blocks']} blocks × (layers {g['num_layers']}, 2, block_size "
           f"{g['block_size']}, kv_heads {g['num_kv_heads']}, head_dim {g['head_dim']}) "
           f"{g['dtype']}")
+    if "remote" in stats:
+        print(f"  remote: {_remote_summary(stats['remote'])}")
     if not os.path.exists(SHM_DIR + stats["segment"]):
         print(f"  segment {stats['segment']} is MISSING (deleted under the running daemon): "
               "no client can attach; `kvd stop` it and start again")
@@ -345,6 +362,7 @@ def format_stats(stats: dict[str, Any]) -> str:
          f"{stats['sessions']} / {stats['sessions_opened']} / {stats['sessions_closed']}"),
         ("sequences open", stats["sequences"]), ("policy", stats["policy"]),
         *_tier_rows(stats),
+        *_remote_rows(stats),
         ("uptime", f"{stats['uptime_s']:.1f} s"),
         ("requests", ", ".join(f"{op} {n}" for op, n in sorted(stats["requests"].items()))),
         ("errors", ", ".join(f"{code} {n}" for code, n in sorted(stats["errors"].items()))
@@ -355,6 +373,35 @@ def format_stats(stats: dict[str, Any]) -> str:
     ]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _remote_summary(remote: dict[str, Any]) -> str:
+    error = f", last error: {remote['last_error']}" if remote["last_error"] else ""
+    return (f"{remote['url']} {remote['state']}, {remote['queue_depth']} of "
+            f"{remote['queue_capacity']} writes queued{error}")
+
+
+def _remote_rows(stats: dict[str, Any]) -> list[tuple[str, Any]]:
+    """With --remote: the tier's state, queue, hits and errors (kvd_remote_* in metrics)."""
+    remote = stats.get("remote")
+    if remote is None:
+        return []
+    hit_blocks = remote["hit_blocks"]
+    return [
+        ("remote tier", _remote_summary(remote)),
+        ("remote hit blocks (of prefix hits)", f"{hit_blocks} of {stats['hit_blocks']} "
+                                               f"(local {stats['hit_blocks'] - hit_blocks})"),
+        ("remote fetches / declined / timeouts",
+         f"{remote['fetches']} / {remote['declined']} / {remote['timeouts']}"),
+        ("remote blocks fetched / missed / corrupt",
+         f"{remote['fetched']} / {remote['missed']} / {remote['corrupt']}"),
+        ("remote blocks written / dropped / stale",
+         f"{remote['written']} / {remote['dropped']} / {remote['stale']}"),
+        ("remote bytes written / fetched",
+         f"{remote['written_bytes']} / {remote['fetched_bytes']}"),
+        ("remote errors (fetch / write blocks)",
+         f"{remote['fetch_errors']} / {remote['write_errors']}"),
+    ]
 
 
 def _block_rows(stats: dict[str, Any], prefix: str) -> list[tuple[str, Any]]:

@@ -102,7 +102,8 @@ class Sequence:
     """A daemon-side sequence: its block table grows in place as tokens are appended.
 
     `num_cached_tokens` tokens at the start were found in the cache when it was opened: their KV
-    is already in the blocks, so prefill starts there.
+    is already in the blocks, so prefill starts there. `num_remote_tokens` of them came from the
+    daemon's remote tier (`kvd start --remote`) for this open.
     """
 
     seq_id: int
@@ -110,6 +111,7 @@ class Sequence:
     num_tokens: int
     num_cached_tokens: int = 0
     num_sealed_blocks: int = 0
+    num_remote_tokens: int = 0
     is_closed: bool = field(default=False, repr=False)
     epoch: int = field(default=0, repr=False)  # the client's num_reconnects when opened
     pool: str | None = None  # the pool it was opened on (None: the session's)
@@ -780,7 +782,7 @@ class Client:
         reply = self._call(_op("seq_open", pool), args)
         return Sequence(reply["seq_id"], reply["block_ids"], reply["num_tokens"],
                         reply["num_cached_tokens"], reply["num_sealed_blocks"],
-                        epoch=self.num_reconnects, pool=pool)
+                        reply.get("num_remote_tokens", 0), epoch=self.num_reconnects, pool=pool)
 
     def _check_live(self, seq: Sequence) -> None:
         if seq.epoch != self.num_reconnects:

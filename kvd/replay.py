@@ -24,6 +24,16 @@ modes:
     0.0825 / 0.2791 / 0.4235 prefix hit ratio on synthetic_trace.jsonl at 1k / 5k / 10k blocks)
     and is what the anchor test checks.
 
+``--remote-capacity`` (two levels, pool semantics): a fleet of `--hosts` daemons, each with a
+    pool of the local capacity, over one shared remote tier of the remote capacity (blocks),
+    modelled as LRU (Redis' allkeys-lru approximates it). Requests are dealt to the hosts in turn,
+    as a load balancer without affinity does: a conversation's next turn lands anywhere. Each
+    request is served as the daemon serves it: the local prefix, then the consecutive keys after
+    it that the remote tier holds (imported: allocated and sealed locally, counted as prefix
+    hits), then the rest as in pool mode. What is written remotely is `--remote-write`: `all`
+    (every block a host computes, kvd's choice) or `hit` (a block once it is hit locally).
+    Remote capacity 0 is the same fleet without the tier: local alone.
+
 Metrics per (policy, capacity):
   * prefix hit ratio — leading hits of each request / block references: what an engine reuses;
   * block hit ratio — every hit / block references;
@@ -44,6 +54,7 @@ import heapq
 import json
 import sys
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 from kvd.errors import BadArgsError
@@ -54,6 +65,7 @@ from kvd.core.pool import BlockPool
 from kvd.traces import TRACE_BLOCK_TOKENS, Request, decode_blocks, load_trace
 
 MODES = ("pool", "anchor")
+REMOTE_WRITES = ("all", "hit")
 DEFAULT_CAPACITIES = (1000, 2000, 5000, 10000, 20000, 50000)
 _OWNER = 1  # replay plays one engine; requests run one after another
 
@@ -204,6 +216,117 @@ def _write(pool: BlockPool, keys: Sequence[int], parents: Sequence[int | None],
     block_ids.extend(new_ids)
 
 
+
+
+# ---- two levels: hosts over a shared remote tier ---------------------------------------------
+@dataclass
+class TwoLevelRow:
+    """One line of `kvd replay --remote-capacity ... --json`."""
+
+    policy: str
+    capacity: int  # per host
+    remote_capacity: int  # 0: no remote tier
+    hosts: int
+    remote_write: str
+    prefix_hit_ratio: float  # local and remote prefix hits / block references
+    remote_hit_ratio: float  # the remote part of it
+    writes_per_ref: float  # blocks written to the remote tier / block references
+
+
+class RemoteLRU:
+    """The shared remote tier of a two-level replay: LRU over `capacity` keys."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.keys: OrderedDict[int, None] = OrderedDict()
+        self.num_writes = 0
+
+    def read(self, keys: Sequence[int]) -> list[int]:
+        """The consecutive head of `keys` held here (each one touched)."""
+        found = []
+        for key in keys:
+            if key not in self.keys:
+                break
+            self.keys.move_to_end(key)
+            found.append(key)
+        return found
+
+    def write(self, keys: Iterable[int]) -> None:
+        for key in keys:
+            if self.capacity <= 0:
+                return
+            self.num_writes += 1
+            self.keys[key] = None
+            self.keys.move_to_end(key)
+            if len(self.keys) > self.capacity:
+                self.keys.popitem(last=False)
+
+
+def replay_two_level(trace: Sequence[Request], policy_name: str, capacity: int,
+                     remote_capacity: int, num_hosts: int = 1, write: str = "all"
+                     ) -> tuple[Counts, int, int]:
+    """The fleet of the module docstring: (counts, remote prefix hits, remote writes)."""
+    pools = [BlockPool(capacity, make_policy(policy_name, capacity)) for _ in range(num_hosts)]
+    remote = RemoteLRU(remote_capacity)
+    counts = Counts()
+    num_remote_hits = 0
+    for number, request in enumerate(trace):
+        pool, keys = pools[number % num_hosts], request.hash_ids
+        block_ids = pool.lookup(keys, _OWNER)
+        num_local = len(block_ids)
+        if write == "hit":  # (a block written once hit, if the tier lacks it)
+            remote.write(key for key in keys[:num_local] if key not in remote.keys)
+        fetched = remote.read(keys[num_local:])
+        _write(pool, fetched, [keys[i - 1] if i else None
+                               for i in range(num_local, num_local + len(fetched))],
+               block_ids, True)
+        num_prefix = len(block_ids)
+        num_remote_hits += num_prefix - num_local
+        missing = [key for key in keys[num_prefix:] if pool.find(key) is None]
+        num_hits = num_prefix + _pin_later_hits(pool, keys, num_prefix, block_ids, True)
+        if write == "all":  # what this host computed and sealed
+            remote.write(key for key in missing if pool.find(key) is not None)
+        pool.release(block_ids, _OWNER)
+        counts.add_request(request, num_prefix, num_hits)
+    return counts, num_remote_hits, remote.num_writes
+
+
+def two_level_rows(trace: Sequence[Request], policy_names: Sequence[str],
+                   capacities: Sequence[int], remote_capacities: Sequence[int],
+                   num_hosts: int, writes: Sequence[str],
+                   progress: Callable[[str], None] | None = None) -> list[TwoLevelRow]:
+    """Replay every (policy, capacity, remote capacity, write choice); one row each."""
+    for write in writes:
+        if write not in REMOTE_WRITES:
+            raise BadArgsError(f"--remote-write takes {' or '.join(REMOTE_WRITES)}, got {write!r}")
+    if num_hosts < 1:
+        raise BadArgsError(f"--hosts must be at least 1, got {num_hosts}")
+    num_refs = max(1, sum(len(request.hash_ids) for request in trace))
+    rows = []
+    for name in policy_names:
+        for capacity in capacities:
+            for remote_capacity in remote_capacities:
+                for write in writes if remote_capacity else writes[:1]:
+                    if progress:
+                        progress(f"{name} @ {capacity} + {remote_capacity} remote ({write})")
+                    counts, remote_hits, num_writes = replay_two_level(
+                        trace, name, capacity, remote_capacity, num_hosts, write)
+                    rows.append(TwoLevelRow(name, capacity, remote_capacity, num_hosts,
+                                            write if remote_capacity else "-",
+                                            counts.num_prefix_hits / num_refs,
+                                            remote_hits / num_refs, num_writes / num_refs))
+    return rows
+
+
+def format_two_level(rows: Sequence[TwoLevelRow]) -> str:
+    lines = [f"{'policy':<10} {'hosts':>5} {'capacity':>9} {'remote':>9} {'write':>5} "
+             f"{'prefix':>7} {'remote':>7} {'writes/ref':>10}"]
+    for row in rows:
+        lines.append(f"{row.policy:<10} {row.hosts:>5} {row.capacity:>9} "
+                     f"{row.remote_capacity:>9} {row.remote_write:>5} "
+                     f"{row.prefix_hit_ratio:>7.4f} {row.remote_hit_ratio:>7.4f} "
+                     f"{row.writes_per_ref:>10.3f}")
+    return "\n".join(lines)
 
 
 # ---- Belady's OPT ------------------------------------------------------------------------------
@@ -381,6 +504,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiers", metavar="prefill=S,decode=S",
                         help="pool mode: split the pool into prefill and decode tiers with these "
                              "shares (e.g. prefill=0.7,decode=0.3; add :POLICY to a tier)")
+    parser.add_argument("--remote-capacity", metavar="N[,N...]",
+                        help="two levels: a fleet of --hosts pools of --capacity over a shared "
+                             "remote tier of these sizes in blocks (0: no tier)")
+    parser.add_argument("--hosts", type=int, default=1,
+                        help="with --remote-capacity: hosts the requests are dealt to in turn")
+    parser.add_argument("--remote-write", default="all",
+                        help="with --remote-capacity: which blocks are written remotely: all "
+                             "(every block computed, kvd's choice), hit (once hit locally), "
+                             "or all,hit")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
     parser.add_argument("--plot", metavar="OUT.png", help="draw hit ratio vs capacity")
 
@@ -397,10 +529,27 @@ def run(args: argparse.Namespace) -> int:
         if sys.stderr.isatty() or total > 1:
             print(f"\r[{done[0]:>3}/{total}] {what:<40}", end="", file=sys.stderr, flush=True)
 
+    if args.remote_capacity is not None:
+        return _run_two_level(args, trace, names, capacities, progress)
     rows = replay_rows(trace, names, capacities, args.mode, progress, tiers=args.tiers,
                        decode=args.decode)
     print("\r" + " " * 50 + "\r", end="", file=sys.stderr, flush=True)
     print(json.dumps([asdict(row) for row in rows], indent=1) if args.json else format_table(rows))
     if args.plot:
         plot_rows(rows, args.plot, f"{args.trace.rsplit('/', 1)[-1]} ({args.mode} replay)")
+    return 0
+
+
+def _run_two_level(args: argparse.Namespace, trace: Sequence[Request], names: list[str],
+                   capacities: list[int], progress: Callable[[str], None]) -> int:
+    if args.mode != "pool" or args.tiers or args.decode or args.plot:
+        raise BadArgsError("--remote-capacity replays pool mode alone: drop --mode anchor, "
+                           "--tiers, --decode and --plot")
+    remote_capacities = [0 if item == "0" else parse_capacities(item)[0]
+                         for item in _csv(args.remote_capacity)]
+    rows = two_level_rows(trace, names, capacities, remote_capacities, args.hosts,
+                          _csv(args.remote_write), progress)
+    print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
+    print(json.dumps([asdict(row) for row in rows], indent=1) if args.json
+          else format_two_level(rows))
     return 0

@@ -145,17 +145,13 @@ class PageTable:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def open(self, tokens: bytes, salt: bytes = b"", max_cached_tokens: int | None = None
-             ) -> tuple[SequenceRecord, int]:
-        """Open a sequence; returns it and the number of tokens whose KV is already cached."""
+    def open(self, tokens: bytes, salt: bytes = b"", max_cached_tokens: int | None = None,
+             hashes: list[bytes] | None = None) -> tuple[SequenceRecord, int]:
+        """Open a sequence; returns it and the number of tokens whose KV is already cached.
+        `hashes`: `cacheable_hashes` of the same arguments, if the caller has them."""
         num_tokens = len(tokens) // 4
-        if num_tokens == 0:
-            raise BadArgsError("a sequence needs at least one token")
-        cap = num_tokens - 1 if max_cached_tokens is None else min(max_cached_tokens, num_tokens)
-        num_cacheable = max(cap, 0) // self.block_size
-        token_ids = np.frombuffer(tokens, dtype="<u4")
-        hashes = hash_blocks(token_ids[: num_cacheable * self.block_size], self.block_size,
-                             salt=salt)
+        if hashes is None:
+            hashes = self.cacheable_hashes(tokens, salt, max_cached_tokens)
         owner = self._new_owner()
         hit_ids = self.pool.lookup(hashes, owner)
         new_ids = self.pool.allocate(self._blocks_for(num_tokens) - len(hit_ids), owner)
@@ -173,6 +169,19 @@ class PageTable:
         self.counters["prompt_tokens"] += num_tokens
         self.counters["cached_tokens"] += num_cached
         return record, num_cached
+
+    def cacheable_hashes(self, tokens: bytes, salt: bytes = b"",
+                         max_cached_tokens: int | None = None) -> list[bytes]:
+        """The hashes `open` looks up: of the full blocks below its cap (by default all but the
+        last token, whose logits an engine needs)."""
+        num_tokens = len(tokens) // 4
+        if num_tokens == 0:
+            raise BadArgsError("a sequence needs at least one token")
+        cap = num_tokens - 1 if max_cached_tokens is None else min(max_cached_tokens, num_tokens)
+        num_cacheable = max(cap, 0) // self.block_size
+        token_ids = np.frombuffer(tokens, dtype="<u4")
+        return hash_blocks(token_ids[: num_cacheable * self.block_size], self.block_size,
+                           salt=salt)
 
     def _no_space(self, num_needed: int) -> str:
         return (f"need {num_needed} blocks but only {self.pool.num_available} are free or "

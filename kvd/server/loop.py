@@ -17,6 +17,7 @@ with `selectors`:
     peer pidfd         readable when the peer process dies — even if a forked child still holds
                        the socket, so EOF would come late or never — closes the session at once
     signal wakeup      SIGTERM/SIGINT (set_wakeup_fd) stop the loop
+    remote fetches     --remote: readable when the tier's fetch thread finished a read-through
 
 After each iteration's handlers (`serve_once`), the journal commits what they changed (one group
 commit: the seals of every client served in the iteration share it), then every held reply goes
@@ -41,6 +42,14 @@ an error reply and the session goes on; an unexpected exception in a handler is 
 answered INTERNAL — no client can take the daemon down. A kvd bug that escapes the loop itself
 ends it like a crash, keeping segment and journal for --recover.
 
+Deferred replies (--remote): a lookup or seq_open that misses locally after its local prefix
+is not run at once; its reply is left out of its recv's replies (an empty placeholder: the
+client matches replies by id) and the request waits in `_deferred`, in deadline order, while
+the loop serves everyone else. It runs when its fetch is done (the fetched blocks imported
+first) or at its deadline, whichever comes first, and its reply joins the held replies of that
+iteration, so it goes out after the journal committed the imported blocks' seals.
+kvd/server/remote/__init__.py describes the read-through.
+
 Why selectors and not asyncio: the loop does no awaiting, every handler is a short synchronous
 call, and a plain selector loop avoids a transport and a protocol callback per request
 (`python -m bench.diagnostics.event_loop` runs the same echo server on both).
@@ -54,12 +63,14 @@ import selectors
 import socket
 import struct
 import time
+from collections import deque
 from time import perf_counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvd.errors import DeniedError, InternalError, JournalError, KvdError, ProtocolError
 from kvd.protocol import FrameDecoder, FrameEncoder, decode_request, encode_error
+from kvd.server import remote
 from kvd.server.journal import Journal, PoolJournals
 from kvd.server.service import Session
 from kvd.server.startup import Started
@@ -120,10 +131,17 @@ class Server:
         # order (so in deadline order); those that said it leave once their deadline passes.
         self._hello_due: dict[Connection, float] = {}
         self._next_journal_retry = 0.0
+        # --remote: the tier, the ops it may defer, and the deferred requests' fetches.
+        self._remote = started.remote
+        self._deferrable = frozenset() if self._remote is None else remote.DEFERRABLE_OPS
+        self._deferred: deque[remote.FetchJob] = deque()
         try:
             self._selector.register(self._listener, selectors.EVENT_READ,
                                     (self._on_listener, None))
             self._selector.register(self._wakeup, selectors.EVENT_READ, (self._on_wakeup, None))
+            if self._remote is not None:
+                self._selector.register(self._remote.done_fd, selectors.EVENT_READ,
+                                        (self._on_fetched, None))
         except BaseException:
             started.resources.close()
             raise
@@ -171,6 +189,9 @@ class Server:
         serve_forever calls it; bench/request_path.py calls it inline to measure the request
         path without a scheduler in between.
         """
+        if self._deferred:  # wake for the first deadline
+            timeout_s = max(0.0, min(timeout_s if timeout_s is not None else 1e9,
+                                     self._deferred[0].deadline - time.monotonic()))
         for key, mask in self._selector.select(timeout_s):
             handler, connection = key.data
             try:
@@ -179,6 +200,8 @@ class Server:
                 log.exception("internal error in %s", handler.__name__)
                 if connection is not None:
                     self._close(connection, "internal error")
+        if self._deferred:
+            self._answer_overdue()
         if self._replied or self.service.write_error is not None:
             # (Otherwise nothing waits: seals only come with held replies, and the journal's
             # upkeep is only due after a commit; a failed journal retries on its timer.)
@@ -274,10 +297,10 @@ class Server:
         if not nbytes:
             self._close(connection, "closed by peer")
             return
-        chunk, session = self._recv_view[:nbytes], connection.session
+        chunk = self._recv_view[:nbytes]
         requests = connection.decoder.requests(chunk)  # the usual chunk, decoded in C
         if requests is not None:  # (and the usual one request without a comprehension's frame)
-            replies = ([self._reply(session, requests[0])] if len(requests) == 1 else
+            replies = ([self._reply(connection, requests[0])] if len(requests) == 1 else
                        self._replies(connection, requests, True))
         else:
             try:
@@ -316,10 +339,11 @@ class Server:
         they fit --max-output-nbytes: a chunk that asks more than that (pipelined forks of a
         long sequence, say) is not read as it comes, so it is cut before the daemon builds
         more of it (closed; returns [])."""
-        session, limit = connection.session, self._limits.max_output_nbytes
+        limit = self._limits.max_output_nbytes
         replies, nbytes = [], 0
         for item in items:
-            reply = self._reply(session, item) if is_decoded else self._reply(session, None, item)
+            reply = (self._reply(connection, item) if is_decoded
+                     else self._reply(connection, None, item))
             replies.append(reply)
             nbytes += len(reply[1])
             if nbytes > limit:
@@ -328,16 +352,21 @@ class Server:
                 return []
         return replies
 
-    def _reply(self, session: Session, request: tuple[int, str, dict[str, Any]] | None,
-               body: bytes = b"") -> tuple[int | None, bytes, bool]:
+    def _reply(self, connection: Connection, request: tuple[int, str, dict[str, Any]] | None,
+               body: bytes = b"", may_defer: bool = True) -> tuple[int | None, bytes, bool]:
         """Handle one request already decoded, or (None) the frame `body` to decode: (request
-        id, reply frame, whether it awaits the journal)."""
+        id, reply frame, whether it awaits the journal). A deferred request's frame is empty
+        (module docstring)."""
         started = perf_counter()
         request_id = op = None
         journal = self.journal
         num_seals = journal.num_seals_pending if journal is not None else 0
+        session = connection.session
         try:
             request_id, op, args = request if request is not None else decode_request(body)
+            if op in self._deferrable and may_defer and session.is_ready and self._defer(
+                    connection, request_id, op, args):
+                return request_id, b"", False
             reply = self._frame([request_id, True, self._handle(session, op, args)])
         except KvdError as exc:
             if isinstance(exc, ProtocolError) and request_id is None:
@@ -351,6 +380,70 @@ class Server:
                                         InternalError(f"{type(exc).__name__}: {exc}"))
         self._time_op(op, started)  # (any op the service does not handle is not timed)
         return request_id, reply, journal is not None and journal.num_seals_pending != num_seals
+
+    # ---- deferred replies (--remote) --------------------------------------------------------
+    def _defer(self, connection: Connection, request_id: int, op: str,
+               args: dict[str, Any]) -> bool:
+        """Start a read-through for the request if it misses locally; whether it did."""
+        service, tier = self.service, self._remote
+        if tier is None or service.write_error is not None:  # (imports are seals: refused)
+            return False
+        keys = remote.keys_to_fetch(service.pool, op, args, service.open_hashes)
+        if keys is None:
+            return False
+        job = tier.fetch(keys[1])
+        if job is None:
+            return False
+        job.context = (connection, request_id, op, args, keys[0])
+        self._deferred.append(job)
+        return True
+
+    def _on_fetched(self, _: None, mask: int) -> None:
+        """Import what the finished fetches brought, answering those still waiting."""
+        tier = self._remote
+        if tier is None:
+            return
+        for job in tier.take_done():
+            self._import_and_answer(tier, job)
+
+    def _import_and_answer(self, tier: remote.RemoteTier, job: remote.FetchJob) -> None:
+        service = self.service
+        connection, request_id, op, args, local_keys = job.context
+        pool = service.pool
+        try:
+            imported = ([] if service.write_error is not None else
+                        remote.import_fetched(pool, tier, job, local_keys))
+            if not job.is_answered:
+                service.imported = frozenset(imported)
+                self._answer(job, bool(imported))
+                tier.counters["hit_blocks"] += sum(pool.ref_count(block_id) > 1
+                                                   for block_id in imported)
+        finally:
+            service.imported = frozenset()
+            pool.release_owner(remote.IMPORT_OWNER)
+
+    def _answer_overdue(self) -> None:
+        """Answer the deferred requests whose deadline passed, from what is local."""
+        now, deferred, tier = time.monotonic(), self._deferred, self._remote
+        if tier is None:
+            return
+        while deferred and (deferred[0].is_answered or deferred[0].deadline <= now):
+            job = deferred.popleft()
+            if not job.is_answered:
+                tier.counters["timeouts"] += 1
+                self._answer(job, False)
+
+    def _answer(self, job: remote.FetchJob, is_journaled: bool) -> None:
+        """Run the deferred request now; its reply waits for this iteration's commit."""
+        job.is_answered = True
+        connection: Connection = job.context[0]
+        request_id, op, args = job.context[1:4]
+        if self._connections.get(connection.sock.fileno()) is not connection:
+            return  # closed meanwhile
+        request_id, reply, awaits = self._reply(connection, (request_id, op, args),
+                                                may_defer=False)
+        connection.pending.append((request_id, reply, awaits or is_journaled))
+        self._replied.add(connection)
 
     def _commit_and_reply(self) -> None:
         """Group commit: one journal transaction for the iteration, then every held reply goes

@@ -154,6 +154,8 @@ class KvdCollector:
             ("kvd_journal_failures", "journal_failures", "Failed journal commits or rewrites"),
         ):
             yield CounterMetricFamily(name, text, value=stats[key])
+        if "remote" in stats:
+            yield from _collect_remote(stats["remote"])
         yield from self._collect_ops()
 
     def _collect_ops(self) -> Iterator[Any]:
@@ -170,6 +172,42 @@ class KvdCollector:
                 cumulative.append((str(bound) if bound != float("inf") else "+Inf", total))
             latency.add_metric([op], cumulative, sum_value=sum_s)
         yield latency
+
+
+REMOTE_STATES = ("connecting", "up", "stalled", "down")
+REMOTE_COUNTERS = (
+    ("queued", "Blocks queued for writing to the remote tier"),
+    ("dropped", "Queued writes dropped, oldest first, because the queue was full"),
+    ("written", "Blocks written to the remote tier"),
+    ("written_bytes", "Bytes written to the remote tier"),
+    ("stale", "Writes dropped because the block was evicted before its copy was done"),
+    ("write_errors", "Blocks whose write failed"),
+    ("fetches", "Lookups that asked the remote tier (their reply waited for it)"),
+    ("declined", "Local misses not asked of the remote tier (down, stalled or busy)"),
+    ("timeouts", "Lookups answered at --remote-timeout-ms before their fetch finished"),
+    ("fetched", "Blocks fetched from the remote tier"),
+    ("fetched_bytes", "Bytes fetched from the remote tier"),
+    ("missed", "Blocks asked of the remote tier and not found there"),
+    ("hit_blocks", "Blocks served to lookups from the remote tier (remote hits)"),
+    ("corrupt", "Remote values that failed a header or checksum check (deleted)"),
+    ("fetch_errors", "Remote fetches that failed"),
+    ("probes", "Health probes (PING) of the remote tier"),
+)
+
+
+def _collect_remote(remote: dict[str, Any]) -> Iterator[Any]:
+    """kvd_remote_*: the remote tier's state, queue and counters (kvd/server/remote)."""
+    yield GaugeMetricFamily("kvd_remote_up", "1 while the remote tier answers in time",
+                            value=1 if remote["state"] == "up" else 0)
+    state = GaugeMetricFamily("kvd_remote_state", "The remote tier's state (1 for the current)",
+                              labels=["state"])
+    for name in REMOTE_STATES:
+        state.add_metric([name], 1 if remote["state"] == name else 0)
+    yield state
+    yield GaugeMetricFamily("kvd_remote_queue_blocks", "Blocks waiting to be written",
+                            value=remote["queue_depth"])
+    for key, text in REMOTE_COUNTERS:
+        yield CounterMetricFamily(f"kvd_remote_{key}", text, value=remote[key])
 
 
 RENDER_TTL_S = 1.0  # one rendering serves the scrapes of this long

@@ -143,6 +143,11 @@ class Service:
         self.page_table = self.default.page_table
         self.sessions: dict[int, Session] = {}
         self.started_at = time.time()
+        self.remote: Any = None  # the remote tier (kvd/server/remote), if --remote
+        self.imported: frozenset[int] = frozenset()  # blocks it imported for the request running
+        # The remote tier's probe of a seq_open hashed its tokens: (tokens, salt, cap, hashes),
+        # so that the open that follows does not hash them again.
+        self._probed: tuple[bytes, bytes, int | None, list[bytes]] | None = None
         self.counters = {"sessions_opened": 0, "sessions_closed": 0, "journal_commits": 0,
                          "journal_failures": 0}
         self._ops: dict[str, Callable[[Session, dict[str, Any]], Any]] = {
@@ -353,6 +358,7 @@ class Service:
             **self._tier_stats(),
             "pools": {name: self._pool_stats(served) for name, served in self.served.items()},
             **self._arena_stats(),
+            **({"remote": self.remote.stats()} if self.remote is not None else {}),
         }
 
     @staticmethod
@@ -432,17 +438,33 @@ class Service:
 
     def _seq_open(self, served: Served, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         self._check_writable()
-        check_no_extra(args, ("tokens", "salt", "max_cached_tokens"))
-        tokens = self._tokens(args)
-        salt = arg_bytes(args, "salt", MAX_SALT_NBYTES, b"")
-        max_cached = arg_int(args, "max_cached_tokens", 0, default=None)
+        tokens, salt, max_cached = self._open_args(args)
         self._check_length(served, len(tokens) // 4)
         self._check_limit(len(session.seq_ids) + 1, "max_sequences", "open sequences")
         self._check_pins(session, -(-len(tokens) // 4 // served.geometry.block_size))
+        probed, self._probed = self._probed, None
+        hashes = (probed[3] if probed is not None and probed[0] is tokens
+                  and probed[1:3] == (salt, max_cached) else None)
         record, num_cached = self._counting_pins(served, session, lambda: served.page_table.open(
-            tokens, salt, max_cached))
+            tokens, salt, max_cached, hashes))
         session.seq_ids.add(record.seq_id)
-        return self._describe(record, num_cached_tokens=num_cached)
+        # Remote hits: blocks the remote tier imported for this request (kvd/server/remote).
+        num_remote = (len(self.imported.intersection(record.block_ids))
+                      * served.geometry.block_size if self.imported else 0)
+        return self._describe(record, num_cached_tokens=num_cached, num_remote_tokens=num_remote)
+
+    def _open_args(self, args: dict[str, Any]) -> tuple[bytes, bytes, int | None]:
+        check_no_extra(args, ("tokens", "salt", "max_cached_tokens"))
+        return (self._tokens(args), arg_bytes(args, "salt", MAX_SALT_NBYTES, b""),
+                arg_int(args, "max_cached_tokens", 0, default=None))
+
+    def open_hashes(self, args: dict[str, Any]) -> list[bytes]:
+        """The hashes a seq_open of `args` looks up (the remote tier's probe); raises as
+        seq_open would for bad args."""
+        tokens, salt, max_cached = self._open_args(args)
+        hashes = self.page_table.cacheable_hashes(tokens, salt, max_cached)
+        self._probed = (tokens, salt, max_cached, hashes)
+        return hashes
 
     def _check_limit(self, num: int, name: str, what: str) -> None:
         limit = getattr(self.limits, name)

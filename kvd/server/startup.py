@@ -25,6 +25,8 @@ failure anywhere unwinds exactly what was made, and a stopping loop unwinds the 
     pidfile     written.
     metrics     --metrics-port: a thread serving the Service's stats on 127.0.0.1; the port
                 bound (port 0: one the kernel chose) goes in `service.info["metrics_port"]`.
+    (remote)    --remote: made before the pool, whose seals it taps (its observer); its threads
+                start once the Service exists, and stop before the journal is released.
 
 What a release keeps is `Stop.keep`. A plain stop and a failed start remove segment and journal.
 Both stay as they were, for the next --recover, after `kvd stop --keep`, after a kvd bug escaped
@@ -67,6 +69,8 @@ from kvd.server.metrics import OpStats, serve_metrics
 from kvd.server.config import PoolSpec, check_pools
 from kvd.server.recovery import (attach_pools, attach_recoverable, drop_shared_slabs,
                                  load_journal, read_stamp, reshape, restore, stamp)
+from kvd.server.remote import (DEFAULT_TIMEOUT_MS, BlockCodec, RemoteTier, SealTap, parse_url,
+                               require_redis)
 from kvd.server.service import Limits, Service
 
 log = logging.getLogger("kvd")
@@ -86,6 +90,8 @@ class DaemonConfig:
         pools: several pools (kvd/server/config.py) sharing `budget_nbytes` through an arena
             (kvd/core/arena.py); empty: the one pool of `geometry`, named "default".
         limits: what each session, and all together, may hold (`--max-*`).
+        remote: `--remote` URL of the remote tier (docs/remote.md); None: no remote tier.
+        remote_timeout_ms: how long a lookup waits for the remote tier.
     """
 
     paths: DaemonPaths
@@ -99,8 +105,19 @@ class DaemonConfig:
     pools: tuple[PoolSpec, ...] = ()
     budget_nbytes: int = 0
     limits: Limits = Limits()
+    remote: str | None = None
+    remote_timeout_ms: int = DEFAULT_TIMEOUT_MS
 
     def __post_init__(self) -> None:
+        if self.remote is not None:
+            parse_url(self.remote)  # a typed error before anything starts
+            if self.pools:
+                raise BadArgsError("--remote serves a daemon of one pool for now: drop --pool "
+                                   "(and the config's pools) or --remote")
+        timeout = self.remote_timeout_ms
+        if not (type(timeout) is int and 1 <= timeout <= 60_000):
+            raise BadArgsError(f"--remote-timeout-ms must be an int in [1, 60000], "
+                               f"got {timeout!r}")
         port = self.metrics_port
         if port is not None and not (type(port) is int and 0 <= port <= 65535):
             raise BadArgsError(f"metrics port must be an int in [0, 65535], got {port!r}")
@@ -149,6 +166,7 @@ class Started:
     stop: Stop
     num_restored: int  # blocks a recovery restored (0: started clean)
     resources: ExitStack  # releases everything above, in the reverse order of building
+    remote: RemoteTier | None = None  # --remote
 
 
 def take_lock(paths: DaemonPaths) -> int:
@@ -220,18 +238,24 @@ def start(config: DaemonConfig) -> Started:
         if config.journal:
             journal = _open_pool_journals(config) if config.pools else _open_journal(config)
             undo.callback(_release_journal, journal, stop)
+        remote = _remote_tier(config)
+        if remote is not None:
+            undo.callback(remote.close)
         if config.pools:
             segment, service, num_restored = _open_pools(
                 config, journal if isinstance(journal, PoolJournals) else None, stop, undo)
         else:
             assert not isinstance(journal, PoolJournals)
-            segment, pool, num_restored = _open_pool(config, journal, stop, undo)
+            segment, pool, num_restored = _open_pool(config, journal, stop, undo, remote)
             service = Service(pool, config.geometry, _block_copier(segment.pool), {}, OpStats(),
                               on_shutdown=stop.on_shutdown, limits=config.limits)
         service.info.update({"segment": segment.name, "segment_uuid": segment.uuid,
                              "daemon_pid": os.getpid(), "name": paths.name})
         if journal is not None:
             service.journal_state = "ok"
+        if remote is not None:
+            service.remote = remote
+            remote.start(_block_bytes(segment), segment.generations)
         listener = _bind(paths.socket_path)
         undo.callback(_release_listener, listener, paths.socket_path)
         _write_pidfile(paths.pid_path)
@@ -242,27 +266,27 @@ def start(config: DaemonConfig) -> Started:
         raise
     stop.keep = False  # started: from now on a plain stop removes what it serves
     return Started(config, segment, journal, service, listener, wakeup, selector, stop,
-                   num_restored, undo)
+                   num_restored, undo, remote)
 
 
 # ---- the pool ------------------------------------------------------------------------------------
 def _open_pool(config: DaemonConfig, journal: Journal | None, stop: Stop,
-               undo: ExitStack) -> tuple[Segment, BlockPool, int]:
+               undo: ExitStack, remote: RemoteTier | None) -> tuple[Segment, BlockPool, int]:
     """Recover the previous segment and index if asked and valid, else start clean: (segment,
     pool, blocks restored); the segment's release goes on `undo` once it is the one served."""
     if config.recover:
-        recovered = _recover(config, journal, stop, undo)
+        recovered = _recover(config, journal, stop, undo, remote)
         if recovered is not None:
             return recovered
     segment = _create_segment(config, journal)
     undo.callback(_release_segment, segment, stop)
     if journal is not None:
         _reset_journal(journal, segment)
-    return segment, _new_pool(config, segment, journal), 0
+    return segment, _new_pool(config, segment, journal, remote), 0
 
 
-def _recover(config: DaemonConfig, journal: Journal | None, stop: Stop,
-             undo: ExitStack) -> tuple[Segment, BlockPool, int] | None:
+def _recover(config: DaemonConfig, journal: Journal | None, stop: Stop, undo: ExitStack,
+             remote: RemoteTier | None) -> tuple[Segment, BlockPool, int] | None:
     """The previous segment, its journaled blocks restored into a new pool, or None (logged) to
     start clean."""
     if journal is None:
@@ -279,7 +303,7 @@ def _recover(config: DaemonConfig, journal: Journal | None, stop: Stop,
     # From here a failed start leaves the crashed daemon's segment and journal as it found them,
     # for the next --recover: a bad flag must not cost the cache.
     stop.keep = True
-    pool = _new_pool(config, segment, journal)
+    pool = _new_pool(config, segment, journal, remote)
     journal.on_commit = segment.set_acknowledged_seals
     failpoint("during-recovery")
     try:
@@ -325,10 +349,27 @@ def _open_pool_journals(config: DaemonConfig) -> PoolJournals:
     return journals
 
 
-def _new_pool(config: DaemonConfig, segment: Segment, journal: Journal | None) -> BlockPool:
+def _new_pool(config: DaemonConfig, segment: Segment, journal: Journal | None,
+              remote: RemoteTier | None = None) -> BlockPool:
     num_blocks = config.geometry.num_blocks
     policy = make_policy(config.policy, num_blocks, tiers=config.tiers)
-    return BlockPool(num_blocks, policy, segment.generations, observer=journal)
+    observer = journal if remote is None else SealTap(journal, remote)
+    return BlockPool(num_blocks, policy, segment.generations, observer=observer)
+
+
+# ---- the remote tier -----------------------------------------------------------------------------
+def _remote_tier(config: DaemonConfig) -> RemoteTier | None:
+    if config.remote is None:
+        return None
+    require_redis()
+    # (a daemon's one pool is `default`: its blocks are named after it, docs/remote.md)
+    return RemoteTier(parse_url(config.remote), BlockCodec("default", config.geometry),
+                      config.remote_timeout_ms)
+
+
+def _block_bytes(segment: Segment) -> np.ndarray:
+    """The segment's blocks as uint8 rows of block_nbytes (what the tier copies)."""
+    return segment.pool.reshape(segment.geometry.num_blocks, -1).view(np.uint8)
 
 
 def _remove_stale_segment(paths: DaemonPaths) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 import kvd
 from conftest import DaemonHandle, daemon_name, start_daemon_process
-from kvd.errors import BadArgsError
+from kvd.errors import BadArgsError, NotFoundError
 from kvd.geometry import Geometry
 from kvd.integrations.vllm import link as link_module
 from kvd.integrations.vllm.link import DaemonLink, check_fits
@@ -82,9 +82,16 @@ def test_a_daemon_whose_pool_does_not_fit_is_refused_naming_the_flags(daemon_fac
         check_fits(dict(WANTED, dtype="float16"), Geometry(num_blocks=1, **WANTED))
 
 
-def test_a_pool_is_refused_by_a_kvd_that_serves_one_pool(daemon_factory):
-    daemon = daemon_factory(num_blocks=32, **SHAPE)
-    if "pool" in link_module.inspect.signature(kvd.connect).parameters:
-        pytest.skip("this kvd serves several pools")
-    with pytest.raises(BadArgsError, match="names pool 'big'.*leave `pool` out"):
+def test_the_link_takes_the_pool_it_names_and_refuses_one_the_daemon_lacks(daemon_factory):
+    daemon = daemon_factory(["--pool", "draft:layers=2,kv-heads=2,head-dim=8,dtype=float32,"
+                             "block-size=4", "--pool", "other:layers=1,kv-heads=1,head-dim=8,"
+                             "dtype=float32,block-size=4"], memory=256 * 1024)
+    link = DaemonLink(daemon.name, "draft", lambda g: check_fits(WANTED, g), print)
+    try:
+        assert link.start()
+        client = link.client()
+        assert client is not None and client.info["pool"] == "draft"
+    finally:
+        link.drop()
+    with pytest.raises(NotFoundError, match="no pool 'big': this daemon serves draft, other"):
         DaemonLink(daemon.name, "big", lambda g: None, print).start()

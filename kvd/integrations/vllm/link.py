@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import kvd
-from kvd.errors import BadArgsError, DisconnectedError, KvdError
+from kvd.errors import BadArgsError, DisconnectedError, KvdError, NotFoundError
 from kvd.geometry import Geometry
 
 REPLY_TIMEOUT_S = 10.0  # a daemon that hangs this long is dropped, not waited for
@@ -62,7 +62,8 @@ class DaemonLink:
         self._logged = _logged.setdefault(name, set())
 
     def start(self) -> bool:
-        """Connect now; False (logged) if no daemon answers. A misfit raises BadArgsError."""
+        """Connect now; False (logged) if no daemon answers. A misfit raises BadArgsError, a pool
+        the daemon does not serve NotFoundError."""
         try:
             client = connect(self.name, self.pool)
         except DisconnectedError as exc:
@@ -89,7 +90,7 @@ class DaemonLink:
         try:
             if not self.start():
                 return None
-        except BadArgsError as exc:
+        except (BadArgsError, NotFoundError) as exc:  # (restarted with another config)
             self._log_once("misfit", f"kvd: the daemon does not fit this engine: {exc}")
             self._next_try = time.monotonic() + self.retry_s
             return None

@@ -64,7 +64,9 @@ every block that had been freed as often as the record's own matched it.
 The acknowledged-seals counter at the end of the header is the daemon's: it writes the journal's
 seal counter there after each commit and before the replies it holds (a store to shared memory),
 so that a recovery knows how many seals were acknowledged and can say so when the journal it
-reads ends sooner (kvd/server/recovery.py). A fresh segment has 0 there.
+reads ends sooner (kvd/server/recovery.py). A fresh segment has 0 there. Layout 2 has one per
+pool (each pool has its own journal): pool n's is n * 8 bytes below the header's last 8, under
+the pool table's end for MAX_SEGMENT_POOLS pools.
 
 Views are `np.frombuffer` over the mmap, never copies. While any view lives the mmap cannot be
 closed (BufferError), which is what keeps a reader off unmapped memory; `close` turns that into an
@@ -264,7 +266,10 @@ class Segment:
         segment._write_pools_header(mapping, slab_nbytes, num_slabs)
         return segment
 
-    def _write_pools_header(self, mapping: mmap.mmap, slab_nbytes: int, num_slabs: int) -> None:
+    def _write_pools_header(self, mapping: mmap.mmap, slab_nbytes: int, num_slabs: int,
+                            kept: dict[PoolLayout, tuple[np.ndarray, int]] | None = None) -> None:
+        """`kept`: the generations and acknowledged seals of pools whose layout stays
+        (`reshape_pools`); every other pool gets fresh random bases and 0 seals."""
         pools = list(self.pools.values())
         header = _POOLS_HEADER.pack(MAGIC, POOLS_LAYOUT_VERSION, HEADER_NBYTES, self._uuid,
                                     self._boot_id, len(pools), slab_nbytes, num_slabs,
@@ -277,10 +282,62 @@ class Segment:
                 g.num_layers, g.parts, g.block_size, g.num_kv_heads, g.head_dim,
                 DTYPE_CODES[g.dtype], g.window or 0, g.num_blocks, pool.generations_offset)
             generations = self.generations_of(pool.name)
-            generations[:] = rng.integers(0, GENERATION_BASE_LIMIT, generations.size, np.uint64)
+            old = (kept or {}).get(replace(pool, generations_offset=0, data_offset=0))
+            if old is None:
+                generations[:] = rng.integers(0, GENERATION_BASE_LIMIT, generations.size,
+                                              np.uint64)
+            else:
+                generations[:] = old[0]
             del generations
+            self.set_pool_acknowledged_seals(pool.name, 0 if old is None else old[1])
         mapping[len(MAGIC):_POOLS_HEADER.size] = header[len(MAGIC):]
         mapping[:len(MAGIC)] = MAGIC
+
+    @classmethod
+    def reshape_pools(cls, segment: Segment, shapes: list[tuple[str, Geometry]]) -> Segment:
+        """Rewrite the attached layout-2 `segment` (closed by this; no view of it may live) in
+        place for the pools `shapes`, over the same slabs (size and count) and boot id, under a
+        new uuid (a client's mapping of the old layout must not pass for current), and
+        re-attach it. The data area moves to its new offset, bytes kept; a pool of the same name
+        and geometry keeps its generations and acknowledged seals; any other gets fresh bases
+        and 0 seals. The magic is cleared first, so a crash half-way leaves a segment `attach`
+        refuses (the next start is clean).
+
+        Raises:
+            NoSpaceError: /dev/shm cannot hold the grown segment (it is left as it was).
+        """
+        first = next(iter(segment.pools.values()))
+        slab_nbytes, old_data_offset, old_nbytes = (first.slab_nbytes, first.data_offset,
+                                                    segment.nbytes)
+        num_slabs = (old_nbytes - old_data_offset) // slab_nbytes
+        kept = {replace(pool, generations_offset=0, data_offset=0):
+                (segment.generations_of(name).copy(), segment.pool_acknowledged_seals(name))
+                for name, pool in segment.pools.items()}
+        pools, nbytes = pools_layout(shapes, slab_nbytes, num_slabs)
+        name, boot_id = segment.name, segment.boot_id
+        segment_uuid = uuid.uuid4().bytes  # (a client's mapping of the old layout is stale)
+        segment.close()
+        shm = posix_ipc.SharedMemory(name)
+        try:
+            if nbytes > old_nbytes:
+                _check_free_space(nbytes - old_nbytes)
+                mapping = _reserve_and_map(shm, nbytes)
+            else:
+                mapping = mmap.mmap(shm.fd, old_nbytes)
+            try:
+                mapping[:len(MAGIC)] = bytes(len(MAGIC))
+                mapping.move(pools[0].data_offset, old_data_offset, num_slabs * slab_nbytes)
+                mapping[POOL_TABLE_OFFSET:HEADER_NBYTES] = bytes(HEADER_NBYTES - POOL_TABLE_OFFSET)
+                reshaped = cls(name, mapping, pools[0].geometry, segment_uuid, boot_id, pools,
+                               nbytes)
+                reshaped._write_pools_header(mapping, slab_nbytes, num_slabs, kept)
+            finally:
+                mapping.close()
+            if nbytes < old_nbytes:
+                os.ftruncate(shm.fd, nbytes)
+        finally:
+            shm.close_fd()
+        return cls.attach(name)
 
     @classmethod
     def attach(cls, name: str, read_only: bool = False) -> Segment:
@@ -413,9 +470,7 @@ class Segment:
     @property
     def acknowledged_seals(self) -> int:
         """The journal's seal counter as of its last commit (module docstring); 0 when fresh."""
-        if self._mmap is None:
-            raise InUseError(f"segment {self._name} is closed: attach it again")
-        return int(_ACKNOWLEDGED_SEALS.unpack_from(self._mmap, ACKNOWLEDGED_SEALS_OFFSET)[0])
+        return self.pool_acknowledged_seals(next(iter(self.pools)))
 
     @acknowledged_seals.setter
     def acknowledged_seals(self, value: int) -> None:
@@ -423,9 +478,24 @@ class Segment:
 
     def set_acknowledged_seals(self, value: int) -> None:
         """The daemon's, after each journal commit (kvd/server/journal.py's `on_commit`)."""
+        self.set_pool_acknowledged_seals(next(iter(self.pools)), value)
+
+    def pool_acknowledged_seals(self, pool: str) -> int:
+        """One pool's acknowledged seals (its journal's: layout 2 keeps one counter per pool,
+        pool n's n * 8 bytes below the header's last 8)."""
+        return int(_ACKNOWLEDGED_SEALS.unpack_from(self._open_mmap(), self._seals_offset(pool))[0])
+
+    def set_pool_acknowledged_seals(self, pool: str, value: int) -> None:
+        _ACKNOWLEDGED_SEALS.pack_into(self._open_mmap(), self._seals_offset(pool), value)
+
+    def _seals_offset(self, pool: str) -> int:
+        self._pool_layout(pool)  # (NotFoundError naming the pools)
+        return ACKNOWLEDGED_SEALS_OFFSET - _ACKNOWLEDGED_SEALS.size * list(self.pools).index(pool)
+
+    def _open_mmap(self) -> mmap.mmap:
         if self._mmap is None:
             raise InUseError(f"segment {self._name} is closed: attach it again")
-        _ACKNOWLEDGED_SEALS.pack_into(self._mmap, ACKNOWLEDGED_SEALS_OFFSET, value)
+        return self._mmap
 
     # --- identity --------------------------------------------------------------------------
 

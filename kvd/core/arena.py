@@ -24,6 +24,10 @@ through the pool (policy, index, prefix tree, journal and generations stay right
 bumped when its block is freed, so a stale reader of the old pool sees its id was reused), its
 ids leave the free list, and they are ABSENT again. A pinned or owned block is never taken.
 
+Recovery (kvd/server/recovery.py): ownership is not journaled. `ArenaPool.restore` restores a
+pool's rows and then owns exactly the slabs its restored blocks are in; the rest stay unowned,
+for any pool to take. Rows of two pools claiming one slab are dropped before (recovery's job).
+
 Slab size. `choose_slab_nbytes` picks a multiple of the largest block: large enough that the tail
 `slab_nbytes % block_nbytes(P)` wastes little of every pool's slabs, small enough to leave many
 slabs to move (a pool's partly used slab is waste too, and many slabs let memory move finely).
@@ -69,7 +73,7 @@ import numpy as np
 
 from kvd.core.policies import EvictionPolicy, make_policy
 from kvd.core.pool import (CACHED, FREE, NEXT_VICTIM, NO_BLOCK, NUM_FREE, NUM_OWNED, NUM_SEALED,
-                           OWNED, SEALED, BlockPool, PoolObserver)
+                           OWNED, SEALED, BlockPool, IndexRows, PoolObserver)
 from kvd.errors import BadArgsError, InternalError
 
 UNOWNED = -1
@@ -293,6 +297,12 @@ class Arena:
         self.owner[slab] = UNOWNED
         self.num_moves += 1
 
+    def claim(self, pool: ArenaPool, slabs: np.ndarray) -> None:
+        """Give `pool` these slabs as they are (a recovery: they hold its restored blocks)."""
+        if (self.owner[slabs] != UNOWNED).any():
+            raise InternalError("a slab claimed by two pools: recovery drops such claims first")
+        self.owner[slabs] = pool.number
+
     def _give(self, slab: int, pool: ArenaPool) -> None:
         self.owner[slab] = pool.number
         self.clock += 1
@@ -372,6 +382,28 @@ class ArenaPool(BlockPool):
     def pin(self, block_ids: Sequence[int], owner: int) -> None:
         super().pin(block_ids, owner)
         self.arena.stamp(self, block_ids)
+
+    def restore(self, rows: IndexRows) -> int:
+        """BlockPool.restore, then the pool owns the slabs of the blocks that came back (their
+        other ids are free) and no other: its rows must claim no slab another pool owns."""
+        t = self.tables
+        if self.num_present:
+            raise InternalError("restore() needs a fresh pool: it owns slabs already")
+        t.counts[NUM_FREE] = self.num_blocks  # (every id is FREE: what the fresh check counts)
+        try:
+            num_restored = super().restore(rows)
+        finally:
+            states = np.frombuffer(t.state, dtype=np.uint8)
+            self.arena.claim(self, np.unique(np.flatnonzero(states == CACHED)
+                                             // self.blocks_per_slab))
+            present = np.repeat(self.arena.owner == self.number, self.blocks_per_slab)
+            free = np.frombuffer(t.free, dtype=np.int64)
+            kept = free[:t.counts[NUM_FREE]]
+            kept = kept[present[kept]]  # (descending: the lowest id stays on top)
+            free[:kept.size] = kept
+            t.counts[NUM_FREE] = kept.size
+            self.num_present = int(np.count_nonzero(present))
+        return num_restored
 
     # ---- slabs ---------------------------------------------------------------------------
     def _slab_ids(self, slab: int) -> range:

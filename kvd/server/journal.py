@@ -158,6 +158,12 @@ FAILPOINTS = ("before-commit", "after-commit-before-reply", "mid-eviction", "dur
               "mid-compaction")
 JOURNAL_FILENAME = "journal.sqlite3"
 
+
+def pool_journal_filename(pool: str) -> str:
+    """The journal of one of several pools (a single-pool daemon's is JOURNAL_FILENAME)."""
+    return f"journal-{pool}.sqlite3"
+
+
 _LOG_TABLE = """CREATE TABLE IF NOT EXISTS log (
     chunk_id INTEGER PRIMARY KEY,
     key_width INTEGER NOT NULL,
@@ -255,6 +261,7 @@ class Damage:
     bad_chunks: int = 0  # failed their checksum, or held no whole records
     bad_records: int = 0  # records in those, as far as their sizes tell
     duplicate_claims: int = 0  # live records a block or key had already been claimed by
+    shared_slabs: int = 0  # records in an arena slab another pool's journal claims too
     unreadable: str = ""  # SQLite's error where reading the log stopped short
     check: str = ""  # the first complaint of SQLite's quick_check
 
@@ -271,6 +278,9 @@ class Damage:
         if self.duplicate_claims:
             found.append(f"{self.duplicate_claims} duplicate claims on a block or hash "
                          "dropped")
+        if self.shared_slabs:
+            found.append(f"{self.shared_slabs} records in slabs another pool's journal claims "
+                         "too dropped")
         return found
 
 
@@ -364,15 +374,17 @@ class Journal:
     """The hash-index journal in `state_dir`. Writes are buffered until `commit()`."""
 
     def __init__(self, state_dir: str | os.PathLike[str], compact_factor: float = 2.0,
-                 min_compact_records: int = 65_536, compact_budget: int = COMPACT_BUDGET) -> None:
+                 min_compact_records: int = 65_536, compact_budget: int = COMPACT_BUDGET,
+                 filename: str = JOURNAL_FILENAME) -> None:
         """Args:
             state_dir: directory of the journal files (made 0700 if missing).
+            filename: the database's name there (one per pool: `pool_journal_filename`).
             compact_factor, min_compact_records: compaction is due while the log holds more than
                 compact_factor x live records + min_compact_records (module docstring).
             compact_budget: records a compaction step cleans at least.
         """
         self.state_dir = private_dir(Path(state_dir), "pass another --state-dir")
-        self.path = self.state_dir / JOURNAL_FILENAME
+        self.path = self.state_dir / filename
         self.compact_factor = compact_factor
         self.min_compact_records = min_compact_records
         self.compact_budget = compact_budget
@@ -681,7 +693,7 @@ class Journal:
         """Keep the journal's files as they are (set_aside_files) and open an empty journal in
         their place; returns where they went. Copied before the connection closes: closing
         checkpoints the WAL into the database file, which would lose what it could not read."""
-        aside = set_aside_files(self.state_dir, close=self.close)
+        aside = set_aside_files(self.state_dir, close=self.close, filename=self.path.name)
         self._open()
         self._log = None
         return aside
@@ -692,7 +704,45 @@ class Journal:
     def remove(self) -> None:
         """Close and delete the journal files (a plain `kvd stop`)."""
         self.close()
-        remove_journal(self.state_dir)
+        remove_journal(self.state_dir, filename=self.path.name)
+
+
+class PoolJournals:
+    """The journals of several pools, one file each (`pool_journal_filename`), which the loop
+    commits, tidies and releases as one: a reply that awaits a seal goes out once every
+    journal's commit is in, and a pool restarts clean without touching the others' files."""
+
+    def __init__(self, state_dir: str | os.PathLike[str], journals: dict[str, Journal]) -> None:
+        self.path = Path(state_dir)  # (named in the loop's log lines)
+        self.journals = journals
+        # Each pool's rows, for `rewrite` after a failed commit (startup fills it in).
+        self.rows_of: dict[str, Callable[[], Sequence[JournalRow]]] = {}
+
+    @property
+    def num_seals_pending(self) -> int:
+        return sum(journal.num_seals_pending for journal in self.journals.values())
+
+    def commit(self) -> None:
+        for journal in self.journals.values():
+            if journal.num_seals_pending:  # tombstones alone wait, as in the loop
+                journal.commit()
+
+    def tidy(self) -> None:
+        for journal in self.journals.values():
+            journal.tidy()
+
+    def rewrite_pools(self) -> None:
+        """Every pool's journal rewritten from its pool (Journal.rewrite)."""
+        for name, journal in self.journals.items():
+            journal.rewrite(self.rows_of[name]())
+
+    def close(self) -> None:
+        for journal in self.journals.values():
+            journal.close()
+
+    def remove(self) -> None:
+        for journal in self.journals.values():
+            journal.remove()
 
 
 def _make_private(path: Path) -> None:
@@ -706,14 +756,14 @@ def _make_private(path: Path) -> None:
             pass
 
 
-def set_aside_files(state_dir: str | os.PathLike[str],
-                    close: Callable[[], None] | None = None) -> Path:
-    """Copy the journal files in `state_dir` to `journal.sqlite3.damaged-N` (its -wal beside it,
-    so that SQLite opens the two together), call `close` (the open connection's), and delete
-    them; returns the copy's name. Raises JournalError if they cannot be copied."""
-    path = Path(state_dir) / JOURNAL_FILENAME
+def set_aside_files(state_dir: str | os.PathLike[str], close: Callable[[], None] | None = None,
+                    filename: str = JOURNAL_FILENAME) -> Path:
+    """Copy the journal files `filename` in `state_dir` to `<filename>.damaged-N` (its -wal
+    beside it, so that SQLite opens the two together), call `close` (the open connection's), and
+    delete them; returns the copy's name. Raises JournalError if they cannot be copied."""
+    path = Path(state_dir) / filename
     for number in count(1):
-        aside = path.with_name(f"{JOURNAL_FILENAME}.damaged-{number}")
+        aside = path.with_name(f"{filename}.damaged-{number}")
         if not any(os.path.lexists(f"{aside}{suffix}") for suffix in ("", "-wal")):
             break
     try:
@@ -726,14 +776,15 @@ def set_aside_files(state_dir: str | os.PathLike[str],
                            f"as it was: make room in {path.parent}, or move it away") from None
     if close is not None:
         close()
-    remove_journal(state_dir, keep_dir=True)
+    remove_journal(state_dir, keep_dir=True, filename=filename)
     return aside
 
 
-def remove_journal(state_dir: str | os.PathLike[str], keep_dir: bool = False) -> None:
-    """Delete the journal files in `state_dir`, and the directory if that empties it (unless
-    `keep_dir`). Damaged journals set aside there are kept (and so is the directory)."""
-    path = Path(state_dir) / JOURNAL_FILENAME
+def remove_journal(state_dir: str | os.PathLike[str], keep_dir: bool = False,
+                   filename: str = JOURNAL_FILENAME) -> None:
+    """Delete the journal files `filename` in `state_dir`, and the directory if that empties it
+    (unless `keep_dir`). Damaged journals set aside there are kept (and so is the directory)."""
+    path = Path(state_dir) / filename
     for suffix in ("", "-wal", "-shm"):
         try:
             os.unlink(f"{path}{suffix}")

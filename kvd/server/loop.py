@@ -71,7 +71,7 @@ from typing import Any
 from kvd.errors import DeniedError, InternalError, JournalError, KvdError, ProtocolError
 from kvd.protocol import FrameDecoder, FrameEncoder, decode_request, encode_error
 from kvd.server import remote
-from kvd.server.journal import Journal
+from kvd.server.journal import Journal, PoolJournals
 from kvd.server.service import Session
 from kvd.server.startup import Started
 
@@ -495,13 +495,16 @@ class Server:
             self._close(connection, f"send failed: {exc}")
             return None
 
-    def _commit_journal(self, journal: Journal) -> JournalError | None:
+    def _commit_journal(self, journal: Journal | PoolJournals) -> JournalError | None:
         """Commit (or, after a failure, try a full rewrite); returns the error if it failed."""
         try:
             if self.service.write_error is not None:
                 if time.monotonic() < self._next_journal_retry:
                     return None  # writes are refused meanwhile, nothing can be pending
-                journal.rewrite(self.service.pool.journal_rows())
+                if isinstance(journal, PoolJournals):
+                    journal.rewrite_pools()
+                else:
+                    journal.rewrite(self.service.pool.journal_rows())
                 log.warning("journal writable again (%s): accepting writes", journal.path)
                 self.service.write_error = None
             elif journal.num_seals_pending:  # tombstones alone wait (kvd/server/journal.py)
@@ -512,7 +515,7 @@ class Server:
             return exc
         return None
 
-    def _tidy_journal(self, journal: Journal) -> None:
+    def _tidy_journal(self, journal: Journal | PoolJournals) -> None:
         try:
             journal.tidy()
         except JournalError as exc:  # no reply depends on it, but the disk is failing writes

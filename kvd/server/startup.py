@@ -15,7 +15,9 @@ failure anywhere unwinds exactly what was made, and a stopping loop unwinds the 
                 in the cleanup: the loop sees the request before it serves anyone.
     selector    the loop's.
     (pidfile)   its removal: under the lock, a pidfile there is ours or a dead daemon's.
-    journal     unless --no-journal; opened before the segment, which recovery checks it against.
+    journal     unless --no-journal; opened before the segment, which recovery checks it against
+                (several pools: one per pool, PoolJournals; the journals of pools no longer
+                configured are deleted).
     segment     re-attached with its journaled blocks restored (--recover: kvd/server/recovery.py)
                 or created clean; then the pool over its generation counters, and the Service.
     socket      bound 0600 inside the 0700 runtime directory (kvd/runtime.py); an existing path
@@ -47,6 +49,7 @@ import stat
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import FrameType
 
@@ -60,10 +63,12 @@ from kvd.geometry import Geometry
 from kvd.runtime import SHM_DIR, DaemonPaths, check_ours
 from kvd.runtime import state_dir as state_dir_of
 from kvd.segment import Segment
-from kvd.server.journal import Journal, failpoint, remove_journal, set_aside_files
+from kvd.server.journal import (JOURNAL_FILENAME, Journal, Loaded, PoolJournals, failpoint,
+                                pool_journal_filename, remove_journal, set_aside_files)
 from kvd.server.metrics import OpStats, serve_metrics
 from kvd.server.config import ModelSpec, PoolSpec, check_models, check_pools
-from kvd.server.recovery import attach_recoverable, restore, stamp
+from kvd.server.recovery import (attach_pools, attach_recoverable, drop_shared_slabs,
+                                 load_journal, read_stamp, reshape, restore, stamp)
 from kvd.server.remote import (DEFAULT_TIMEOUT_MS, BlockCodec, RemoteTier, SealTap, parse_url,
                                require_redis)
 from kvd.server.service import Limits, Service
@@ -120,9 +125,6 @@ class DaemonConfig:
             raise BadArgsError(f"metrics port must be an int in [0, 65535], got {port!r}")
         if self.pools:
             check_pools(list(self.pools), self.budget_nbytes)
-            if self.recover:
-                raise BadArgsError("--recover is not supported with several pools yet: start "
-                                   "without --recover (the pools start clean)")
         check_models(list(self.models), list(self.pools))
 
     @property
@@ -159,7 +161,7 @@ class Started:
 
     config: DaemonConfig
     segment: Segment
-    journal: Journal | None  # None: --no-journal
+    journal: Journal | PoolJournals | None  # None: --no-journal
     service: Service  # (with the pool)
     listener: socket.socket
     wakeup: socket.socket  # readable after a signal (the set_wakeup_fd pair's read end)
@@ -235,17 +237,18 @@ def start(config: DaemonConfig) -> Started:
         wakeup = _install_signals(stop, undo)
         selector = undo.enter_context(selectors.DefaultSelector())
         undo.callback(_unlink_quietly, paths.pid_path)
-        journal = None
-        if config.journal and not config.pools:  # (several pools: no journal yet)
-            journal = _open_journal(config)
+        journal: Journal | PoolJournals | None = None
+        if config.journal:
+            journal = _open_pool_journals(config) if config.pools else _open_journal(config)
             undo.callback(_release_journal, journal, stop)
         remote = _remote_tier(config)
         if remote is not None:
             undo.callback(remote.close)
         if config.pools:
-            segment, service = _open_pools(config, stop, undo)
-            num_restored = 0
+            segment, service, num_restored = _open_pools(
+                config, journal if isinstance(journal, PoolJournals) else None, stop, undo)
         else:
+            assert not isinstance(journal, PoolJournals)
             segment, pool, num_restored = _open_pool(config, journal, stop, undo, remote)
             service = Service(pool, config.geometry, _block_copier(segment.pool), {}, OpStats(),
                               on_shutdown=stop.on_shutdown, limits=config.limits)
@@ -316,18 +319,37 @@ def _recover(config: DaemonConfig, journal: Journal | None, stop: Stop, undo: Ex
     return segment, pool, num_restored
 
 
-def _open_journal(config: DaemonConfig) -> Journal:
+def _open_journal(config: DaemonConfig, filename: str = JOURNAL_FILENAME) -> Journal:
     """The journal. One SQLite cannot open (a damaged file) is a refusal for --recover, which
     keeps it; a plain start forgets its blocks anyway, so it sets the files aside and goes on."""
     try:
-        return Journal(config.journal_dir)
+        return Journal(config.journal_dir, filename=filename)
     except JournalError as exc:
         if config.recover:
             raise JournalError(f"{exc}: move {config.journal_dir} aside, or start without "
                                "--recover (which keeps a copy)") from None
-        aside = set_aside_files(config.journal_dir)
+        aside = set_aside_files(config.journal_dir, filename=filename)
         log.warning("%s; it is kept as %s; starting with a new journal", exc, aside)
-        return Journal(config.journal_dir)
+        return Journal(config.journal_dir, filename=filename)
+
+
+def _open_pool_journals(config: DaemonConfig) -> PoolJournals:
+    """One journal per configured pool; the journals of pools no longer configured go (their
+    blocks do: kvd/server/recovery.py)."""
+    names = [spec.name for spec in config.pools]
+    journals = PoolJournals(config.journal_dir, {})
+    try:
+        for name in names:
+            journals.journals[name] = _open_journal(config, pool_journal_filename(name))
+    except BaseException:
+        journals.close()
+        raise
+    for path in journals.path.glob(pool_journal_filename("*")):
+        name = path.name.removeprefix("journal-").removesuffix(".sqlite3")
+        if name not in names:
+            log.info("removing the journal of pool %s, which is no longer configured", name)
+            remove_journal(config.journal_dir, keep_dir=True, filename=path.name)
+    return journals
 
 
 def _new_pool(config: DaemonConfig, segment: Segment, journal: Journal | None,
@@ -375,21 +397,42 @@ def _create_segment(config: DaemonConfig, journal: Journal | None) -> Segment:
     return segment
 
 
-def _open_pools(config: DaemonConfig, stop: Stop, undo: ExitStack) -> tuple[Segment, Service]:
-    """A layout-2 segment for the configured pools, their arena and the Service over them
-    (no journal yet: several pools always start clean)."""
+def _open_pools(config: DaemonConfig, journals: PoolJournals | None, stop: Stop,
+                undo: ExitStack) -> tuple[Segment, Service, int]:
+    """A layout-2 segment for the configured pools (the previous one with each pool's journaled
+    blocks restored, for --recover, where they match: kvd/server/recovery.py), their arena and
+    the Service over them; also the blocks restored."""
     specs = list(config.pools)
-    arena = Arena(config.budget_nbytes, [spec.block_nbytes for spec in specs])
-    _remove_stale_segment(config.paths)
-    segment = Segment.create_pools(config.paths.segment_name,
-                                   [(spec.name, spec.shape) for spec in specs],
-                                   arena.slab_nbytes, arena.num_slabs)
+    shapes = [(spec.name, spec.shape) for spec in specs]
+    segment, loaded, is_reshaped = (_recover_pools(config, journals, stop) if config.recover
+                                    else (None, {}, False))
+    if segment is None:
+        arena = Arena(config.budget_nbytes, [spec.block_nbytes for spec in specs])
+        _remove_stale_segment(config.paths)
+        segment = Segment.create_pools(config.paths.segment_name, shapes, arena.slab_nbytes,
+                                       arena.num_slabs)
+    else:
+        arena = Arena(config.budget_nbytes, [spec.block_nbytes for spec in specs],
+                      segment.pools[specs[0].name].slab_nbytes)
     undo.callback(_release_segment, segment, stop)
     service: Service | None = None
+    num_restored = 0
     for number, spec in enumerate(specs):
+        journal = journals.journals[spec.name] if journals is not None else None
+        if journal is not None and spec.name not in loaded:
+            _reset_journal(journal, segment, spec.name)
         pool = arena.add_pool(number, make_policy(config.policy, arena.num_ids(number),
                                                   tiers=config.tiers),
-                              segment.generations_of(spec.name))
+                              segment.generations_of(spec.name), observer=journal)
+        if journal is not None and journals is not None:
+            journal.on_commit = partial(segment.set_pool_acknowledged_seals, spec.name)
+            journals.rows_of[spec.name] = pool.journal_rows
+            if spec.name in loaded:
+                num_restored += _restore_pool(pool, segment, journal, loaded[spec.name],
+                                              spec.name)
+                if is_reshaped:  # its journal names the old uuid: the same rows, stamped anew
+                    _reset_journal(journal, segment, spec.name)
+                    journal.rewrite(pool.journal_rows())
         geometry = segment.pools[spec.name].geometry
         copy_block = _slab_copier(segment.slabs_of(spec.name), pool.blocks_per_slab)
         if service is None:
@@ -402,7 +445,57 @@ def _open_pools(config: DaemonConfig, stop: Stop, undo: ExitStack) -> tuple[Segm
         raise BadArgsError("no pool configured")
     for model in config.models:
         service.add_model(model.name, list(model.pools))
-    return segment, service
+    return segment, service, num_restored
+
+
+def _recover_pools(config: DaemonConfig, journals: PoolJournals | None,
+                   stop: Stop) -> tuple[Segment | None, dict[str, Loaded], bool]:
+    """The previous segment (reshaped if the pools changed), the journaled blocks of each
+    unchanged pool whose journal describes it, and whether it was reshaped (its journals then
+    need the new stamp); (None, {}, False) to start every pool clean (logged)."""
+    if journals is None:
+        log.warning("recovery: --recover needs the journal; starting clean")
+        return None, {}, False
+    shapes = [(spec.name, spec.shape) for spec in config.pools]
+    attached = attach_pools(config.paths.segment_name, shapes, config.budget_nbytes)
+    if attached is None:
+        return None, {}, False
+    segment, kept = attached
+    # From here a failed start leaves the segment and journals as it found them (as for one pool)
+    stop.keep = True
+    loaded = {}
+    try:
+        for name in kept:
+            journal = journals.journals[name]
+            each = load_journal(journal, read_stamp(journal), stamp(segment, name),
+                                f"pool {name} starts clean")
+            if each is not None:
+                loaded[name] = each
+    except JournalError:
+        segment.close()
+        raise
+    failpoint("during-recovery")
+    old_uuid = segment.uuid
+    try:
+        segment = reshape(segment, shapes)
+    except KvdError as exc:
+        log.warning("recovery: the segment cannot be reshaped for the pools (%s); starting "
+                    "clean", exc)
+        stop.keep = False
+        return None, {}, False
+    return segment, drop_shared_slabs(segment, loaded), segment.uuid != old_uuid
+
+
+def _restore_pool(pool: BlockPool, segment: Segment, journal: Journal, loaded: Loaded,
+                  name: str) -> int:
+    """One pool's blocks restored; a journal the pool cannot take starts that pool clean."""
+    try:
+        return restore(pool, segment, journal, loaded, name)
+    except BadArgsError as exc:  # a journal the pool cannot take: never map it, nor delete it
+        log.warning("recovery: %s; it is kept as %s; pool %s starts clean", exc,
+                    journal.set_aside(), name)
+        _reset_journal(journal, segment, name)
+        return 0
 
 
 def _slab_copier(slabs: np.ndarray, blocks_per_slab: int) -> Callable[[int, int], None]:
@@ -411,14 +504,17 @@ def _slab_copier(slabs: np.ndarray, blocks_per_slab: int) -> Callable[[int, int]
     return copy_block
 
 
-def _reset_journal(journal: Journal, segment: Segment) -> None:
-    """Start the journal over for a new segment."""
+def _reset_journal(journal: Journal, segment: Segment, pool: str | None = None) -> None:
+    """Start the journal over for a new segment (or, of several pools, for pool `pool`)."""
     try:
-        journal.reset(stamp(segment))
+        journal.reset(stamp(segment, pool))
     except JournalError as exc:  # a damaged file SQLite opened but cannot write
         log.warning("%s; it is kept as %s; starting with a new journal", exc, journal.set_aside())
-        journal.reset(stamp(segment))
-    journal.on_commit = segment.set_acknowledged_seals
+        journal.reset(stamp(segment, pool))
+    if pool is None:
+        journal.on_commit = segment.set_acknowledged_seals
+    else:
+        segment.set_pool_acknowledged_seals(pool, 0)
 
 
 def _block_copier(blocks: np.ndarray) -> Callable[[int, int], None]:
@@ -531,7 +627,7 @@ def _release_segment(segment: Segment, stop: Stop) -> None:
         segment.unlink()
 
 
-def _release_journal(journal: Journal, stop: Stop) -> None:
+def _release_journal(journal: Journal | PoolJournals, stop: Stop) -> None:
     """Close it for --recover (the loop has committed what was pending), or remove it."""
     if stop.keep:
         journal.close()

@@ -97,13 +97,21 @@ def check_present(client: kvd.Client, sealed: dict[bytes, int], chunk: int = 819
                 pytest.fail(f"acknowledged seals lost or remapped: asked {len(part)}, found "
                             f"{len(found)}; first missing {missing and missing.hex()}; "
                             f"mismatches {sum(a != b for a, b in zip(found, expected))}")
-            data = client.pool[found].reshape(len(found), -1).view(np.uint8)
+            data = blocks_bytes(client, found)
             want = np.stack([pattern(key, nbytes) for key in part])
             bad = np.flatnonzero((data != want).any(axis=1))
             assert not len(bad), f"{len(bad)} recovered blocks hold wrong bytes, e.g. block " \
                                  f"{found[bad[0]]} under {part[bad[0]].hex()}"
         finally:
             client.release(found)
+
+
+def blocks_bytes(client: kvd.Client, block_ids: list[int]) -> np.ndarray:
+    """The bytes of these blocks, one row each (a daemon of several pools: view by view)."""
+    if client.pool.ndim == len(client.geometry.block_shape) + 1:
+        return client.pool[block_ids].reshape(len(block_ids), -1).view(np.uint8)
+    return np.stack([block_bytes(client, block_id) for block_id in block_ids]) if block_ids \
+        else np.empty((0, client.geometry.block_nbytes), dtype=np.uint8)
 
 
 def check_maybe_present(client: kvd.Client, attempted: dict[bytes, int]) -> int:
@@ -157,6 +165,7 @@ class Restartable:
         self.geometry = geometry
         self.state_dir = state_dir(self.name)
         self.proc: subprocess.Popen | None = None
+        self.flags: tuple[str, ...] = ()  # given to every incarnation (several pools: --pool)
 
     @property
     def segment_path(self) -> str:
@@ -172,7 +181,7 @@ class Restartable:
         assert self.proc is None or self.proc.poll() is not None, "previous incarnation alive"
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with mock.patch.dict(os.environ, {"KVD_DEBUG": "1", **env}):
-            self.proc = start_daemon_process(self.name, self.log_path, list(flags),
+            self.proc = start_daemon_process(self.name, self.log_path, [*self.flags, *flags],
                                              **(geometry or self.geometry))
         if wait:
             wait_ready(self.proc, self.name, self.log_path)
@@ -248,11 +257,13 @@ def starting_clean_lines(text: str) -> list[str]:
 
 # ---- 1. SIGKILL at random moments under multi-worker load --------------------------------------
 
-def worker_main(name: str, record_path: str, stop_path: str, quota: int) -> None:
-    """Seal batches of fresh hashes, recording 'A' before each seal and 'S' after its ack, until
-    `quota` blocks were attempted (so the pool never evicts); then read its own sealed blocks
-    back and check their bytes. Paced so the quota lasts through the default run's cycles."""
-    client = kvd.connect(name, reconnect_timeout_s=60)
+def worker_main(name: str, record_path: str, stop_path: str, quota: int,
+                pool: str | None = None) -> None:
+    """Seal batches of fresh hashes (into `pool`), recording 'A' before each seal and 'S' after
+    its ack, until `quota` blocks were attempted (so the pool never evicts); then read its own
+    sealed blocks back and check their bytes. Paced so the quota lasts through the default
+    run's cycles."""
+    client = kvd.connect(name, reconnect_timeout_s=60, pool=pool)
     rng = random.Random()
     acked: list[bytes] = []
     num_attempted = 0
@@ -325,17 +336,20 @@ def signal_all(workers: list, signum: int) -> None:
             os.kill(worker.pid, signum)
 
 
-def run_kill_cycles(daemon: Restartable, tmp_path: Path, num_cycles: int,
-                    num_workers: int = 3) -> None:
+def run_kill_cycles(daemon: Restartable, tmp_path: Path, num_cycles: int, num_workers: int = 3,
+                    quota: int = 0, pools: tuple[str | None, ...] = (None,)) -> None:
+    """`num_workers` workers per pool (`pools`: names, or the one pool) seal `quota` blocks each
+    (0: the pool's blocks shared out) while the daemon is killed and recovered."""
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
     stop_path = tmp_path / "stop"
-    records = [tmp_path / f"worker{i}.log" for i in range(num_workers)]
+    records = {pool: [tmp_path / f"worker{i}-{pool}.log" for i in range(num_workers)]
+               for pool in pools}
     daemon.start()
     fork = multiprocessing.get_context("fork")
-    quota = int(daemon.geometry["num_blocks"]) // num_workers  # attempted seals never evict
+    quota = quota or int(daemon.geometry["num_blocks"]) // num_workers  # never evicts
     workers = [fork.Process(target=worker_main,
-                            args=(daemon.name, str(path), str(stop_path), quota))
-               for path in records]
+                            args=(daemon.name, str(path), str(stop_path), quota, pool))
+               for pool, paths in records.items() for path in paths]
     for worker in workers:
         worker.start()
     num_acked_after = []
@@ -345,13 +359,16 @@ def run_kill_cycles(daemon: Restartable, tmp_path: Path, num_cycles: int,
             daemon.kill()
             signal_all(workers, signal.SIGSTOP)  # so nobody allocates before we look
             daemon.recover()
-            acked, attempted = read_records(records)
-            with daemon.connect() as client:
-                check_fresh_recovery(client)
-                check_present(client, acked)
-                check_maybe_present(client, attempted)
-                check_invariants(client)
-            num_acked_after.append(len(acked))
+            num_acked = 0
+            for pool, paths in records.items():
+                acked, attempted = read_records(paths)
+                with daemon.connect(pool=pool) as client:
+                    check_fresh_recovery(client)
+                    check_present(client, acked)
+                    check_maybe_present(client, attempted)
+                    check_invariants(client)
+                num_acked += len(acked)
+            num_acked_after.append(num_acked)
             signal_all(workers, signal.SIGCONT)
         stop_path.touch()
         for worker in workers:

@@ -221,9 +221,11 @@ def tail_key(tokens: np.ndarray, block_size: int) -> bytes:
 
 
 def stress_worker_main(socket_path: str, counters: Any, slot: int, seed: int,
-                       prompts: list[np.ndarray], fork_holder: bool) -> None:
-    """Process entry: connect, optionally fork a child that keeps the socket, run until stop."""
-    client = kvd.connect(socket_path)
+                       prompts: list[np.ndarray], fork_holder: bool,
+                       pool: str | None = None) -> None:
+    """Process entry: connect (to `pool`), optionally fork a child that keeps the socket, run
+    until stop."""
+    client = kvd.connect(socket_path, pool=pool)
     if fork_holder:
         holder_pid = os.fork()
         if holder_pid == 0:

@@ -67,6 +67,7 @@ class Chaos:
     prompts: list[np.ndarray]
     max_slots: int
     seed: int
+    pools: tuple[str | None, ...] = (None,)  # worker i works in pool i % len(pools)
     counters: Any = None
     workers: dict[int, Any] = field(default_factory=dict)  # slot → Process
     fork_holders: set[int] = field(default_factory=set)
@@ -88,7 +89,7 @@ class Chaos:
         process = context().Process(
             target=stress_worker_main, daemon=True,
             args=(self.socket_path, self.counters, slot, self.seed * 100_003 + slot, self.prompts,
-                  fork_holder))
+                  fork_holder, self.pools[slot % len(self.pools)]))
         process.start()
         self.workers[slot] = process
         if fork_holder:
@@ -174,14 +175,16 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def run_stress(handle: Any, num_workers: int, duration_s: float, seed: int = 1) -> dict[str, Any]:
-    """Run workers under chaos for `duration_s`; return the summary (asserts nothing itself)."""
+def run_stress(handle: Any, num_workers: int, duration_s: float, seed: int = 1,
+               pools: tuple[str | None, ...] = (None,)) -> dict[str, Any]:
+    """Run workers under chaos for `duration_s` (spread over `pools`: names, or the one pool);
+    return the summary (asserts nothing itself)."""
     with handle.connect() as monitor:
         geometry = monitor.geometry
         daemon_pid = monitor.stats()["daemon_pid"]
         prompts = make_prompts(seed, 8 * max(1, round(num_workers / 6)), geometry.block_size)
         max_slots = num_workers + int(duration_s / KILL_INTERVAL_S[0]) + 1
-        chaos = Chaos(handle.paths.socket_path, prompts, max_slots, seed)
+        chaos = Chaos(handle.paths.socket_path, prompts, max_slots, seed, pools)
         for _ in range(num_workers):
             chaos.start_worker()
         started = time.monotonic()
@@ -194,12 +197,11 @@ def run_stress(handle: Any, num_workers: int, duration_s: float, seed: int = 1) 
             chaos.start_worker()
         rss_end = rss_kib(daemon_pid)
         chaos.stop_all()
-        summary = final_state(monitor, chaos, geometry.num_blocks)
+        summary = final_state(monitor, chaos, pools)
     reclaim_s = [kill.reclaim_s for kill in chaos.kills]
     forked_s = [kill.reclaim_s for kill in chaos.kills if kill.had_forked_child]
     summary.update({
         "workers": num_workers, "duration_s": round(time.monotonic() - started, 1),
-        "num_blocks": geometry.num_blocks,
         "distinct_blocks_in_prompts": num_distinct_blocks(prompts, geometry.block_size),
         **{name: chaos.total(name) for name in COUNTERS if name != "holder_pid"},
         "kills": len(chaos.kills), "kills_with_forked_child": len(forked_s),
@@ -215,20 +217,31 @@ def run_stress(handle: Any, num_workers: int, duration_s: float, seed: int = 1) 
     return summary
 
 
-def final_state(monitor: kvd.Client, chaos: Chaos, num_blocks: int) -> dict[str, Any]:
-    """Wait for the daemon to drop every worker session, then check it kept nothing."""
+def final_state(monitor: kvd.Client, chaos: Chaos,
+                pools: tuple[str | None, ...]) -> dict[str, Any]:
+    """Wait for the daemon to drop every worker session, then check it kept nothing: in each
+    pool, whose every block (with several pools: the whole budget) can be allocated again."""
     deadline = time.monotonic() + RECLAIM_TIMEOUT_S
     while len(sessions := check_invariants(monitor)) > 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    stats = monitor.stats()
-    leaked = num_blocks - stats["free"] - stats["cached"]
-    block_ids = monitor.alloc(num_blocks)  # every block, evicting the whole cache
-    monitor.release(block_ids)
-    check_invariants(monitor)
+    everything = monitor.stats()
+    each = [everything] if pools == (None,) else [everything["pools"][pool] for pool in pools]
+    leaked = sum(stats["num_blocks"] - stats["free"] - stats["cached"] for stats in each)
+    num_blocks = 0
+    for pool in pools:
+        capacity = monitor.pools[pool].num_blocks if pool else monitor.geometry.num_blocks
+        block_ids = monitor.alloc(capacity, pool=pool)  # evicting the whole cache
+        monitor.release(block_ids, pool=pool)
+        check_invariants(monitor)
+        num_blocks = max(num_blocks, capacity)
+    total = {name: sum(stats[name] for stats in each)
+             for name in ("owned", "sealed", "evictions", "hit_blocks", "lookup_blocks")}
     return {"sessions_left": len(sessions) - 1, "leaked_blocks": leaked,
-            "owned_at_end": stats["owned"], "sealed_at_end": stats["sealed"],
-            "evictions": stats["evictions"], "lookup_hit_ratio":
-                round(stats["hit_blocks"] / max(1, stats["lookup_blocks"]), 3)}
+            "num_blocks": num_blocks,
+            "slab_moves": everything.get("arena", {}).get("slab_moves", 0),
+            "owned_at_end": total["owned"], "sealed_at_end": total["sealed"],
+            "evictions": total["evictions"], "lookup_hit_ratio":
+                round(total["hit_blocks"] / max(1, total["lookup_blocks"]), 3)}
 
 
 def report(summary: dict[str, Any]) -> None:
@@ -265,6 +278,21 @@ def test_stress_with_chaos(stress_daemon: Any) -> None:
     summary = run_stress(handle, num_workers, 20 * SCALE)
     report(summary)
     check(summary)
+
+
+def test_stress_with_chaos_across_two_pools(daemon_factory: Any,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same chaos with the workers spread over two pools of different block bytes sharing
+    one budget (slabs move between them under eviction); every invariant checked in both."""
+    monkeypatch.setenv("KVD_DEBUG", "1")
+    num_workers = max(2, round(6 * SCALE))
+    handle = daemon_factory(["--pool", "wide:layers=2,kv-heads=2,head-dim=8,dtype=float32,"
+                             "block-size=4", "--pool", "thin:layers=1,kv-heads=2,head-dim=8,"
+                             "dtype=float32,block-size=4"], memory=(12 * num_workers + 8) * 1024)
+    summary = run_stress(handle, num_workers, 15 * SCALE, pools=("wide", "thin"))
+    report(summary)
+    check(summary)
+    assert summary["slab_moves"] > 0, summary  # memory moved between the pools under churn
 
 
 @pytest.mark.slow

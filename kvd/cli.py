@@ -22,7 +22,7 @@ from kvd.runtime import DEFAULT_NAME, SHM_DIR, DaemonPaths, runtime_dir
 
 if TYPE_CHECKING:  # (the daemon's modules load only for `kvd start`)
     from kvd.client import Client
-    from kvd.server.config import PoolSpec
+    from kvd.server.config import ModelSpec, PoolSpec
     from kvd.server.startup import DaemonConfig, Started
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -64,6 +64,9 @@ def _add_start(subparsers: Any) -> None:
     parser.add_argument("--pool", action="append", default=[], metavar="NAME:KEY=V,...",
                         help="a pool: NAME:layers=L,kv-heads=H,head-dim=D,dtype=T,block-size=B"
                              "[,parts=1][,window=W]; repeat for several sharing --memory")
+    parser.add_argument("--model", action="append", default=[], metavar="NAME:POOL,POOL",
+                        help="a model whose sequences span these pools (one block size), e.g. "
+                             "full-attention and sliding-window layers; see docs/pools.md")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -145,13 +148,13 @@ def cmd_start(args: argparse.Namespace) -> int:
             if spec.policy is not None:
                 _check_policy(f"--tiers {name}=...:POLICY", spec.policy)
     paths = DaemonPaths.for_name(args.name, args.socket)
-    pools, memory, policy = _pools(args)
+    pools, memory, policy, models = _pools(args)
     geometry = pools[0].shape if pools else _geometry(args)
     _raise_fd_limit()
     config = DaemonConfig(paths, geometry, policy, tiers=args.tiers,
                           metrics_port=args.metrics_port, state_dir=args.state_dir,
                           recover=args.recover, journal=not args.no_journal,
-                          pools=tuple(pools), budget_nbytes=memory,
+                          pools=tuple(pools), budget_nbytes=memory, models=tuple(models),
                           limits=_limits(args),
                           remote=args.remote, **_remote_timeout(args))
     if args.detach:
@@ -172,13 +175,15 @@ def _remote_timeout(args: argparse.Namespace) -> dict[str, int]:
     return {"remote_timeout_ms": args.remote_timeout_ms}
 
 
-def _pools(args: argparse.Namespace) -> tuple[list[PoolSpec], int, str]:
-    """`--config` and `--pool`: (pools, budget, policy); no pools for the single-pool flags."""
-    from kvd.server.config import parse_pool_flag, read_config
+def _pools(args: argparse.Namespace) -> tuple[list[PoolSpec], int, str, list[ModelSpec]]:
+    """`--config`, `--pool` and `--model`: (pools, budget, policy, models); no pools for the
+    single-pool flags."""
+    from kvd.server.config import parse_model_flag, parse_pool_flag, read_config
 
     file = read_config(args.config) if args.config else {"pools": [], "memory": None,
-                                                         "policy": None}
+                                                         "policy": None, "models": []}
     pools = [*file["pools"], *(parse_pool_flag(text) for text in args.pool)]
+    models = [*file["models"], *(parse_model_flag(text) for text in args.model)]
     if pools and args.num_blocks is not None:
         raise BadArgsError("--num-blocks sizes the single pool; several pools share --memory: "
                            "give --memory instead")
@@ -188,7 +193,7 @@ def _pools(args: argparse.Namespace) -> tuple[list[PoolSpec], int, str]:
             str(file["memory"]))
     policy = args.policy if args.policy != "default" or not file["policy"] else file["policy"]
     _check_policy("policy", policy)
-    return pools, 512 << 20 if memory is None else memory, policy
+    return pools, 512 << 20 if memory is None else memory, policy, models
 
 
 def _check_policy(flag: str, name: str) -> None:

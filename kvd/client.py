@@ -65,7 +65,7 @@ import numpy as np
 from kvd.errors import (
     BadArgsError, DeniedError, DisconnectedError, InUseError, KvdError, NotFoundError,
 )
-from kvd.geometry import Geometry
+from kvd.geometry import Geometry, num_outside_window
 from kvd.hashing import token_bytes
 from kvd.protocol import (
     PROTOCOL_VERSION, FrameDecoder, FrameEncoder, decode_reply,
@@ -115,6 +115,22 @@ class Sequence:
     is_closed: bool = field(default=False, repr=False)
     epoch: int = field(default=0, repr=False)  # the client's num_reconnects when opened
     pool: str | None = None  # the pool it was opened on (None: the session's)
+
+
+@dataclass
+class ModelSequence:
+    """A sequence spanning the pools of a model (`Client.open_model_sequence`): one seq_id, one
+    block table per pool. A sliding-window pool's table holds -1 where the daemon released a
+    block outside the window (`kvd.geometry.num_outside_window`)."""
+
+    seq_id: int
+    model: str
+    block_ids: dict[str, list[int]]  # pool name → its block table
+    num_tokens: int
+    num_cached_tokens: int = 0
+    num_sealed_blocks: int = 0
+    is_closed: bool = field(default=False, repr=False)
+    epoch: int = field(default=0, repr=False)
 
 
 class _Reply:
@@ -784,7 +800,7 @@ class Client:
                         reply["num_cached_tokens"], reply["num_sealed_blocks"],
                         reply.get("num_remote_tokens", 0), epoch=self.num_reconnects, pool=pool)
 
-    def _check_live(self, seq: Sequence) -> None:
+    def _check_live(self, seq: Sequence | ModelSequence) -> None:
         if seq.epoch != self.num_reconnects:
             raise DisconnectedError(f"sequence {seq.seq_id} was opened before the daemon "
                                     "restarted and is gone: open it again (its sealed prefix "
@@ -832,6 +848,69 @@ class Client:
         """Release the sequence's blocks (sealed ones stay cached for others)."""
         if seq.epoch == self.num_reconnects:  # else the restart released them already
             self._call(_op("seq_close", seq.pool), {"seq_id": seq.seq_id})
+        seq.is_closed = True
+
+
+    # ---- sequences of a model (several pools) ---------------------------------------------
+    def open_model_sequence(self, model: str, token_ids: Any, salt: bytes = b"",
+                            max_cached_tokens: int | None = None) -> ModelSequence:
+        """Open a sequence in every pool of `model` (one round trip): the longest prefix every
+        pool serves (a sliding-window pool: the window before it) is reused, the rest allocated.
+        """
+        args: dict[str, Any] = {"tokens": token_bytes(token_ids), "salt": salt}
+        if max_cached_tokens is not None:
+            args["max_cached_tokens"] = _int(max_cached_tokens, "max_cached_tokens")
+        reply = self._call(f"seq_open@{model}", args)
+        pools = reply["pools"]
+        return ModelSequence(reply["seq_id"], model,
+                             {name: each["block_ids"] for name, each in pools.items()},
+                             reply["num_tokens"], reply["num_cached_tokens"],
+                             min(each["num_sealed_blocks"] for each in pools.values()),
+                             epoch=self.num_reconnects)
+
+    def extend_model_sequence(self, seq: ModelSequence, token_ids: Any,
+                              num_computed: int | None = None) -> dict[str, list[int]]:
+        """Append tokens in every pool of the model, first committing `num_computed` (default:
+        the tokens before this call); returns each pool's new block ids. Window pools release
+        the blocks wholly before the window of token `num_computed` (marked -1 here)."""
+        self._check_live(seq)
+        data = token_bytes(token_ids)
+        num_computed = (seq.num_tokens if num_computed is None
+                        else _int(num_computed, "num_computed"))
+        new_ids = self._call(f"seq_extend@{seq.model}", {
+            "seq_id": seq.seq_id, "tokens": data, "num_computed": num_computed})
+        for name, ids in new_ids.items():
+            table = seq.block_ids[name]
+            table.extend(ids)
+            self._mark_released(name, table, num_computed)
+            seq.num_sealed_blocks = max(seq.num_sealed_blocks,
+                                        num_computed // self._geometry_of(name).block_size)
+        seq.num_tokens += len(data) // 4
+        return new_ids
+
+    def commit_model_sequence(self, seq: ModelSequence, num_computed: int | None = None
+                              ) -> dict[str, int]:
+        """Seal the full blocks below `num_computed` (default all) in every pool."""
+        self._check_live(seq)
+        num_computed = (seq.num_tokens if num_computed is None
+                        else _int(num_computed, "num_computed"))
+        sealed = self._call(f"seq_commit@{seq.model}", {"seq_id": seq.seq_id,
+                                                        "num_computed": num_computed})
+        for name, table in seq.block_ids.items():
+            self._mark_released(name, table, num_computed)
+        seq.num_sealed_blocks += min(sealed.values())
+        return sealed
+
+    def _mark_released(self, pool: str, table: list[int], num_computed: int) -> None:
+        window = self._geometry_of(pool).window
+        if window is not None:
+            end = num_outside_window(num_computed, window, self._geometry_of(pool).block_size)
+            table[:end] = [-1] * min(end, len(table))
+
+    def close_model_sequence(self, seq: ModelSequence) -> None:
+        """Release the sequence's blocks in every pool (sealed ones stay cached)."""
+        if seq.epoch == self.num_reconnects:
+            self._call(f"seq_close@{seq.model}", {"seq_id": seq.seq_id})
         seq.is_closed = True
 
 

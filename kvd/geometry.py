@@ -8,7 +8,10 @@ One block holds K and V for `block_size` tokens of every layer::
 `parts` is 2 (K and V) unless the model keeps one latent vector per token and layer (multi-head
 latent attention: `parts=1`, `num_kv_heads=1`, `head_dim` the latent width). `window` is the
 sliding-window length in tokens of a pool holding sliding-window layers (None: full attention);
-it is the pool's contract with its users, the pool itself stores blocks the same way.
+it is the pool's contract with its users, the pool itself stores blocks the same way: the token
+at position p attends to itself and the `window - 1` tokens before it, so once `n` tokens are
+computed the first `num_outside_window(n, ...)` blocks are never read again (the daemon releases
+them, kvd/core/page_table.py).
 
 NumPy has no bfloat16: a bfloat16 pool is stored as 2-byte words (uint16) and viewed in torch
 with `torch.from_numpy(view).view(torch.bfloat16)`.
@@ -123,3 +126,8 @@ class Geometry:
             raise BadArgsError(f"{nbytes} bytes hold no block of {probe.block_nbytes} bytes: "
                                "raise --memory or shrink the block")
         return cls(num_blocks=int(num_blocks), **shape)
+
+
+def num_outside_window(num_computed: int, window: int, block_size: int) -> int:
+    """How many leading blocks lie wholly before the window of the token at `num_computed`."""
+    return max(num_computed - window + 1, 0) // block_size

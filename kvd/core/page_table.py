@@ -37,6 +37,18 @@ tail first, and frees as many hashes (a million bytes objects take tens of ms to
 loop spreads a big teardown over its iterations instead of stalling every client for it. A queued
 pin still pins: an allocation that finds no room drains the queue first (the service does).
 
+Sliding-window pools (`window` W tokens): the next token at position p attends to itself and the
+W - 1 tokens before it, so a block all of whose tokens lie before p - W + 1 is never read again.
+`commit(n)` releases such blocks (they stay CACHED, each its own chain head: a window pool seals
+without parents, since the prefix tree would keep the oldest blocks and orphan the newest), and
+their block-table entries become HOLE. A prefix hit of k blocks needs only the last
+ceil((W - 1) / block_size) blocks before the hit point (vLLM's rule for sliding-window groups);
+`servable` says, for every k, whether this pool can serve a hit of k blocks, so that a model
+spanning several pools (`open_spanning`) can take the longest k every one of them serves.
+Holes are always a prefix of the block table: hits pin the suffix of the hit range and decode
+releases from the front. Decode releases own blocks only: a run's are shared (forks keep a
+window pool's shared head pinned until its last sequence closes).
+
 Token ids are kept as little-endian uint32 bytes, the encoding `hash_blocks` hashes, so sealing a
 block hashes a slice without converting anything.
 """
@@ -50,6 +62,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvd.errors import BadArgsError, InternalError, NoSpaceError
+from kvd.geometry import num_outside_window
 from kvd.hashing import hash_blocks, root_hash
 from kvd.core.policies import TIER_DECODE, TIER_PREFILL
 from kvd.core.pool import BlockPool
@@ -88,6 +101,7 @@ class SequenceRecord:
     own_hashes: list[bytes]  # of the sealed own blocks
     num_prompt_tokens: int  # tokens given to open; later ones are decode's
     run: Run | None = None  # the shared head, None when nothing is shared
+    num_released: int = 0  # leading own blocks released (HOLE): outside a window pool's window
 
     @property
     def num_run_blocks(self) -> int:
@@ -124,13 +138,19 @@ class SequenceRecord:
         return [key for run in self._chain() for key in run.hashes] + self.own_hashes
 
 
+HOLE = -1  # a block-table entry released for lying outside the window
+
+
 class PageTable:
     """All open sequences of a pool. Sequence and pool-owner ids come from `new_owner`."""
 
     def __init__(self, pool: BlockPool, block_size: int, new_owner: Callable[[], int],
-                 copy_block: Callable[[int, int], None]) -> None:
+                 copy_block: Callable[[int, int], None], window: int | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.window = window
+        # the blocks before a hit point that a hit must hold (module docstring)
+        self.window_blocks = None if window is None else -(-(window - 1) // block_size)
         self._new_owner = new_owner
         self._copy_block = copy_block
         self.sequences: dict[int, SequenceRecord] = {}
@@ -149,25 +169,8 @@ class PageTable:
              hashes: list[bytes] | None = None) -> tuple[SequenceRecord, int]:
         """Open a sequence; returns it and the number of tokens whose KV is already cached.
         `hashes`: `cacheable_hashes` of the same arguments, if the caller has them."""
-        num_tokens = len(tokens) // 4
-        if hashes is None:
-            hashes = self.cacheable_hashes(tokens, salt, max_cached_tokens)
-        owner = self._new_owner()
-        hit_ids = self.pool.lookup(hashes, owner)
-        new_ids = self.pool.allocate(self._blocks_for(num_tokens) - len(hit_ids), owner)
-        if new_ids is None:
-            # The message first: counted after the release, the hits would look available.
-            message = self._no_space(self._blocks_for(num_tokens) - len(hit_ids))
-            self.pool.release(hit_ids, owner)
-            raise NoSpaceError(message)
-        record = SequenceRecord(owner, owner, salt, bytearray(tokens), hit_ids + new_ids,
-                                hashes[: len(hit_ids)], num_tokens)
-        self.sequences[record.seq_id] = record
-        self.num_pins += len(record.own_block_ids)
-        num_cached = len(hit_ids) * self.block_size
-        self.counters["opened"] += 1
-        self.counters["prompt_tokens"] += num_tokens
-        self.counters["cached_tokens"] += num_cached
+        (record,), num_cached = open_spanning([self], self._new_owner(), tokens, salt,
+                                              max_cached_tokens, hashes)
         return record, num_cached
 
     def cacheable_hashes(self, tokens: bytes, salt: bytes = b"",
@@ -183,6 +186,64 @@ class PageTable:
         return hash_blocks(token_ids[: num_cacheable * self.block_size], self.block_size,
                            salt=salt)
 
+    def servable(self, hashes: list[bytes]) -> list[bool]:
+        """For k in 0..len(hashes): whether this pool holds what a hit of k blocks needs (all k
+        blocks; a window pool the last `window_blocks` of them). Pins nothing."""
+        find = self.pool.find
+        present = [find(key) is not None for key in hashes]
+        if self.window_blocks is None:
+            num_leading = present.index(False) if False in present else len(present)
+            return [k <= num_leading for k in range(len(hashes) + 1)]
+        ok, run = [True], 0  # run: present blocks ending at k
+        for k, is_present in enumerate(present, 1):
+            run = run + 1 if is_present else 0
+            ok.append(run >= min(k, self.window_blocks))
+        return ok
+
+    def pin_hit(self, tokens: bytes, salt: bytes, hashes: list[bytes], num_hit: int,
+                seq_id: int) -> SequenceRecord:
+        """A new sequence (id and owner `seq_id`) holding the hit of `num_hit` blocks, which
+        `servable` said this pool serves; `fill` then allocates the rest."""
+        first = 0 if self.window_blocks is None else max(num_hit - self.window_blocks, 0)
+        hit_ids = self.pool.lookup(hashes[first:num_hit], seq_id)
+        if len(hit_ids) != num_hit - first:
+            self.pool.release(hit_ids, seq_id)
+            raise InternalError(f"a hit of {num_hit} blocks was servable but only "
+                                f"{len(hit_ids)} of its blocks were found")
+        record = SequenceRecord(seq_id, seq_id, salt, bytearray(tokens),
+                                [HOLE] * first + hit_ids, hashes[:num_hit], len(tokens) // 4,
+                                num_released=first)
+        self.sequences[seq_id] = record
+        self.num_pins += len(hit_ids)
+        return record
+
+    def reserve(self, record: SequenceRecord, num_new_tokens: int) -> list[int]:
+        """Allocate the blocks `num_new_tokens` more tokens need (added to the block table, the
+        tokens are the caller's to append); NoSpaceError, nothing done, without room."""
+        num_blocks = record.num_run_blocks + len(record.own_block_ids)
+        num_needed = max(self._blocks_for(record.num_tokens + num_new_tokens) - num_blocks, 0)
+        new_ids = self.pool.allocate(num_needed, record.owner)
+        if new_ids is None:
+            raise NoSpaceError(self._no_space(num_needed))
+        record.own_block_ids.extend(new_ids)
+        self.num_pins += len(new_ids)
+        return new_ids
+
+    def unreserve(self, record: SequenceRecord, new_ids: list[int]) -> None:
+        """Undo `reserve` (its blocks are unsealed: they go back FREE)."""
+        if new_ids:
+            self.pool.release(new_ids, record.owner)
+            del record.own_block_ids[-len(new_ids):]
+            self.num_pins -= len(new_ids)
+
+    def count_open(self, record: SequenceRecord, num_hit: int) -> int:
+        """Count an opened sequence; returns its number of cached tokens."""
+        num_cached = num_hit * self.block_size
+        self.counters["opened"] += 1
+        self.counters["prompt_tokens"] += record.num_tokens
+        self.counters["cached_tokens"] += num_cached
+        return num_cached
+
     def _no_space(self, num_needed: int) -> str:
         return (f"need {num_needed} blocks but only {self.pool.num_available} are free or "
                 f"evictable (of {self.pool.num_blocks}; the rest are pinned): release blocks, "
@@ -195,6 +256,8 @@ class PageTable:
                                f"tokens), got {num_computed}")
         first, last = record.num_sealed, num_computed // self.block_size
         if last <= first:
+            if self.window is not None:
+                self._release_outside(record, num_computed)
             return 0
         # Own blocks only (a run's are sealed): positions relative to the own tail.
         num_run = record.num_run_blocks
@@ -208,9 +271,23 @@ class PageTable:
         tiers = [TIER_DECODE if (index + 1) * self.block_size > record.num_prompt_tokens
                  else TIER_PREFILL for index in range(first, last)]
         self.pool.seal(record.own_block_ids[own_first:own_last], new_hashes, record.owner,
-                       parents, tiers)
+                       parents if self.window is None else None, tiers)
         record.own_hashes.extend(new_hashes)
+        if self.window is not None:
+            self._release_outside(record, num_computed)
         return last - first
+
+    def _release_outside(self, record: SequenceRecord, num_computed: int) -> None:
+        """Release the own blocks no token from `num_computed` on attends to (all sealed)."""
+        end = min(num_outside_window(num_computed, self.window or 0, self.block_size)
+                  - record.num_run_blocks, len(record.own_hashes))
+        start, block_ids = record.num_released, record.own_block_ids
+        if end <= start:
+            return
+        self.pool.release(block_ids[start:end], record.owner)
+        block_ids[start:end] = [HOLE] * (end - start)
+        record.num_released = end
+        self.num_pins -= end - start
 
     def extend(self, record: SequenceRecord, tokens: bytes, num_computed: int) -> list[int]:
         """Commit `num_computed`, append `tokens`; returns the newly allocated block ids.
@@ -218,25 +295,12 @@ class PageTable:
         All or nothing: without room for the new blocks it raises NoSpaceError before sealing
         anything (sealing keeps blocks pinned, so it cannot make room).
         """
-        num_tokens = record.num_tokens + len(tokens) // 4
-        num_blocks = record.num_run_blocks + len(record.own_block_ids)
-        num_needed = max(self._blocks_for(num_tokens) - num_blocks, 0)
-        if num_needed > self.pool.num_available:
-            raise NoSpaceError(self._no_space(num_needed))
-        self.commit(record, num_computed)
-        new_ids = self.pool.allocate(num_needed, record.owner)
-        if new_ids is None:
-            raise InternalError(f"{num_needed} blocks were available before the commit but not "
-                                "after it: sealing must not consume space")
-        record.own_tokens += tokens
-        record.own_block_ids.extend(new_ids)
-        self.num_pins += len(new_ids)
-        return new_ids
+        return extend_spanning([self], [record], tokens, num_computed)[0]
 
-    def fork(self, record: SequenceRecord) -> SequenceRecord:
-        """A copy of `record` sharing its sealed blocks (copy-on-write) and owning copies of the
-        others."""
-        owner = self._new_owner()
+    def fork(self, record: SequenceRecord, seq_id: int | None = None) -> SequenceRecord:
+        """A copy of `record` (id `seq_id`, default a new one) sharing its sealed blocks
+        (copy-on-write) and owning copies of the others."""
+        owner = self._new_owner() if seq_id is None else seq_id
         num_own_sealed = len(record.own_hashes)
         private_src = record.own_block_ids[num_own_sealed:]
         copies = self.pool.allocate(len(private_src), owner)
@@ -263,13 +327,15 @@ class PageTable:
         run = Run(self._new_owner(), bytes(record.own_tokens[: num_tokens * 4]), block_ids,
                   record.own_hashes, parent, record.num_run_blocks + num_blocks,
                   record.num_tokens - len(record.own_tokens) // 4 + num_tokens, num_refs=1)
-        self.pool.pin(block_ids, run.owner)  # (before the release: never unpinned between)
-        self.pool.release(block_ids, record.owner)
+        live = block_ids[record.num_released:]  # (a window pool's released ones are HOLE)
+        self.pool.pin(live, run.owner)  # (before the release: never unpinned between)
+        self.pool.release(live, record.owner)
         self.runs[run.owner] = run  # (the parent's reference passes from the record to the run)
         del record.own_tokens[: num_tokens * 4]
         del record.own_block_ids[:num_blocks]
         record.own_hashes = []
         record.run = run
+        record.num_released = 0
 
     def close(self, record: SequenceRecord, is_deferred: bool = False) -> None:
         """Release the sequence's own blocks, then the runs nobody else refers to, tail first;
@@ -287,6 +353,8 @@ class PageTable:
 
     def _release(self, block_ids: list[int], owner: int, hashes: list[bytes],
                  is_deferred: bool) -> None:
+        if block_ids and block_ids[0] == HOLE:  # (holes lead: a window pool released them)
+            block_ids = [block_id for block_id in block_ids if block_id != HOLE]
         self.num_pins -= len(block_ids)
         if is_deferred:
             self.defer_release(block_ids, owner, hashes)
@@ -318,3 +386,64 @@ class PageTable:
     def owners(self) -> set[int]:
         """Pool owners that are neither sequences nor sessions: live runs and queued releases."""
         return set(self.runs) | {owner for _, owner, _ in self._deferred}
+
+
+def longest_hit(servables: list[list[bool]]) -> int:
+    """The largest k every pool serves (`PageTable.servable` of each; k = 0 always is)."""
+    return max(k for k, row in enumerate(zip(*servables)) if all(row))
+
+
+# ---- sequences spanning pools (a model's pools: same block size, one hash chain) -------------
+def open_spanning(tables: list[PageTable], seq_id: int, tokens: bytes, salt: bytes,
+                  max_cached_tokens: int | None, hashes: list[bytes] | None = None
+                  ) -> tuple[list[SequenceRecord], int]:
+    """Open one sequence (`seq_id` in every pool) over `tables`: the longest hit all of them
+    serve, pinned in each before anything is allocated (an allocation may evict another pool's
+    unpinned blocks through the arena), then the rest allocated; all or nothing."""
+    if hashes is None:  # (one chain for every pool: they share the block size)
+        hashes = tables[0].cacheable_hashes(tokens, salt, max_cached_tokens)
+    num_hit = longest_hit([table.servable(hashes) for table in tables])
+    records = [table.pin_hit(tokens, salt, hashes, num_hit, seq_id) for table in tables]
+    try:
+        for table, record in zip(tables, records):
+            table.reserve(record, 0)
+    except NoSpaceError:
+        for table, record in zip(tables, records):
+            table.close(record)
+        raise
+    return records, [table.count_open(record, num_hit)
+                     for table, record in zip(tables, records)][0]
+
+
+def extend_spanning(tables: list[PageTable], records: list[SequenceRecord], tokens: bytes,
+                    num_computed: int) -> list[list[int]]:
+    """Allocate for `tokens` in every pool (NoSpaceError, nothing changed, without room), then
+    append them and commit `num_computed` (which may count appended tokens: a window pool then
+    releases what falls before the window of the token the engine computes next); returns
+    each pool's new block ids."""
+    reserved: list[list[int]] = []
+    try:
+        for table, record in zip(tables, records):
+            reserved.append(table.reserve(record, len(tokens) // 4))
+    except NoSpaceError:
+        for table, record, new_ids in zip(tables, records, reserved):
+            table.unreserve(record, new_ids)
+        raise
+    for table, record in zip(tables, records):
+        record.own_tokens += tokens
+        table.commit(record, num_computed)
+    return reserved
+
+
+def fork_spanning(tables: list[PageTable], records: list[SequenceRecord], seq_id: int
+                  ) -> list[SequenceRecord]:
+    """Fork in every pool under one new `seq_id`; all or nothing."""
+    children: list[SequenceRecord] = []
+    try:
+        for table, record in zip(tables, records):
+            children.append(table.fork(record, seq_id))
+    except NoSpaceError:
+        for table, child in zip(tables, children):
+            table.close(child)
+        raise
+    return children

@@ -36,7 +36,14 @@ Contract
 Theory of operation
 -------------------
 A `KvdCache` over a batch of b rows is b kvd sequences, one per row, for a decoder-only model
-whose layers are all full attention (Llama, Mistral, Qwen2, ...)::
+whose layers are all full attention (Llama, Mistral, Qwen2, ...), or over one row of a hybrid
+model (Gemma 2: sliding-window and full-attention layers) with `kvd_model=`, a daemon model
+whose pool without a window holds the full-attention layers and whose window pool the sliding
+ones: the row is then one sequence spanning both (one block table each). A sliding layer returns
+the K/V of the `window - 1` columns before the forward's and of its own, and the mask sizes that
+say so, as DynamicSlidingWindowLayer does; the row tells the daemon its tokens whenever a window
+block falls wholly before the window of the token computed next (a round trip a block), and the
+window pool releases it, so decode holds at most ceil(W / B) + 1 window blocks::
 
     KvdCache(client, model, ids)     open_sequence(row's real tokens) per row: one round trip
                                      hashes the row's full blocks, pins its longest cached prefix
@@ -103,10 +110,11 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvd.errors import BadArgsError, KvdError, NoSpaceError
-from kvd.geometry import Geometry
+from kvd.geometry import Geometry, num_outside_window
 from kvd.integrations.salting import add_tensor, config_text, sample_slice
 
 SUPPORTED_TRANSFORMERS = "5.24.0"
+HOLE = -1  # a block-table entry the daemon released: outside a window pool's window
 TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 if transformers.__version__ != SUPPORTED_TRANSFORMERS:
@@ -134,17 +142,61 @@ def model_kv_shape(model: PreTrainedModel) -> dict[str, int]:
 
 def check_model_fits(model: PreTrainedModel, geometry: Geometry) -> None:
     """Raise BadArgsError unless `model`'s K/V have the pool's shape and dtype."""
-    wrong = [f"{name} {value} (pool {getattr(geometry, name)})"
-             for name, value in model_kv_shape(model).items() if value != getattr(geometry, name)]
-    if model.dtype != TORCH_DTYPES[geometry.dtype]:
-        wrong.append(f"dtype {model.dtype} (pool {geometry.dtype})")
-    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
-    wrong += [f"layer type {kind!r}" for kind in sorted(set(layer_types) - {"full_attention"})]
+    wrong = _misfits(model, geometry, model_kv_shape(model)["num_layers"])
+    wrong += [f"layer type {kind!r}" for kind in sorted(set(_layer_types(model))
+                                                         - {"full_attention"})]
     if wrong:
         raise BadArgsError(
             f"the model does not fit the kvd pool: {', '.join(wrong)}. Start the daemon with this "
             "model's --layers/--kv-heads/--head-dim/--dtype, or cast it with model.to(dtype); "
-            "only full-attention layers are supported")
+            "a model with sliding-window layers needs a daemon model over a full-attention pool "
+            "and a window pool (--model NAME:FULL,WINDOW) and KvdCache(..., kvd_model=NAME)")
+
+
+def _layer_types(model: PreTrainedModel) -> list[str]:
+    config = model.config.get_text_config(decoder=True)
+    return (getattr(config, "layer_types", None)
+            or ["full_attention"] * model_kv_shape(model)["num_layers"])
+
+
+def _misfits(model: PreTrainedModel, geometry: Geometry, num_layers: int) -> list[str]:
+    """What of `model`'s K/V (`num_layers` of its layers) does not fit `geometry`."""
+    shape = {**model_kv_shape(model), "num_layers": num_layers}
+    wrong = [f"{name} {value} (pool {getattr(geometry, name)})"
+             for name, value in shape.items() if value != getattr(geometry, name)]
+    if model.dtype != TORCH_DTYPES[geometry.dtype]:
+        wrong.append(f"dtype {model.dtype} (pool {geometry.dtype})")
+    return wrong
+
+
+def model_pools(model: PreTrainedModel, client: Any, kvd_model: str
+                ) -> list[tuple[str, list[int]]]:
+    """Per pool of the daemon model `kvd_model`: its name and the model layers it holds (the
+    full-attention layers in its pool without a window, the sliding-window ones in its window
+    pool, whose window must be the model's); BadArgsError naming what does not fit."""
+    pools = client.info.get("models", {}).get(kvd_model)
+    if pools is None:
+        raise BadArgsError(f"the daemon has no model {kvd_model!r}: start it with --model "
+                           f"{kvd_model}:FULL_POOL,WINDOW_POOL")
+    layer_types = _layer_types(model)
+    window = getattr(model.config.get_text_config(decoder=True), "sliding_window", None)
+    groups: list[tuple[str, list[int]]] = []
+    wrong: list[str] = []
+    for pool in pools:
+        geometry = client.pools[pool]
+        kind = "full_attention" if geometry.window is None else "sliding_attention"
+        layers = [index for index, each in enumerate(layer_types) if each == kind]
+        wrong += [f"pool {pool}: {each}" for each in _misfits(model, geometry, len(layers))]
+        if geometry.window is not None and geometry.window != window:
+            wrong.append(f"pool {pool}: window {geometry.window} (the model's {window})")
+        groups.append((pool, layers))
+    held = sorted(index for _, layers in groups for index in layers)
+    if held != list(range(len(layer_types))):
+        wrong.append(f"layer types {sorted(set(layer_types))} need one pool each "
+                     "(full_attention: no window; sliding_attention: window=sliding_window)")
+    if wrong:
+        raise BadArgsError(f"the model does not fit kvd model {kvd_model!r}: {', '.join(wrong)}")
+    return groups
 
 
 _Versions = tuple[tuple[int, int], ...]
@@ -193,10 +245,42 @@ def weights_fingerprint(model: torch.nn.Module) -> bytes:
     return fingerprint
 
 
-def pool_tensor(client: Any) -> torch.Tensor:
-    """The client's whole pool as a torch tensor over shared memory (no copy)."""
-    pool = torch.from_numpy(client.pool)
-    return pool.view(torch.bfloat16) if client.geometry.dtype == "bfloat16" else pool
+@dataclass(frozen=True)
+class _FlatPool:
+    """A pool as rows of (H, D) (see Memory layout): block b's layer-0 keys start at row
+    `(b // blocks_per_slab) * slab_rows + (b % blocks_per_slab) * block_rows`."""
+
+    rows: torch.Tensor
+    blocks_per_slab: int
+    slab_rows: int
+    block_rows: int  # num_layers * 2 * block_size
+
+    def base(self, block_id: int) -> int:
+        slab, index = divmod(max(block_id, 0), self.blocks_per_slab)  # (a HOLE is never read)
+        return slab * self.slab_rows + index * self.block_rows
+
+
+def flat_pool(client: Any, pool: str | None = None) -> _FlatPool:
+    """The client's pool (or `pool` of a multi-pool daemon) as rows of (H, D) over shared
+    memory (no copy)."""
+    if pool is None and not client._is_multi_pool:
+        slabs, blocks_per_slab = client.pool[None], client.geometry.num_blocks
+    else:
+        slabs, blocks_per_slab, _ = client._pool_view(client.info["pool"] if pool is None
+                                                      else pool)
+    geometry = client.geometry if pool is None else client.pools[pool]
+    tensor = torch.from_numpy(slabs)
+    if geometry.dtype == "bfloat16":
+        tensor = tensor.view(torch.bfloat16)
+    heads, dim = geometry.num_kv_heads, geometry.head_dim
+    block_rows = geometry.num_layers * 2 * geometry.block_size
+    slab_rows, remainder = divmod(slabs.strides[0], heads * dim * slabs.itemsize)
+    if remainder:
+        raise BadArgsError(f"a slab of {slabs.strides[0]} bytes is not a whole number of "
+                           f"({heads}, {dim}) rows: this pool cannot be viewed as rows")
+    num_rows = (slabs.shape[0] - 1) * slab_rows + blocks_per_slab * block_rows
+    return _FlatPool(tensor.as_strided((num_rows, heads, dim), (heads * dim, dim, 1)),
+                     blocks_per_slab, slab_rows, block_rows)
 
 
 def _prompt_rows(token_ids: torch.Tensor | Sequence[int],
@@ -231,16 +315,30 @@ def _real_tokens(row: list[int], mask: list[int], index: int) -> tuple[list[int]
 
 
 class _Row:
-    """One batch row's side of its daemon sequence: its real tokens, block table, what was sent."""
+    """One batch row's side of its daemon sequence: its real tokens, block table(s), what was
+    sent. With `kvd_model`, a sequence spanning the model's pools (one block table each)."""
 
-    def __init__(self, client: Any, token_ids: list[int], salt: bytes, num_pads: int) -> None:
+    def __init__(self, client: Any, token_ids: list[int], salt: bytes, num_pads: int,
+                 kvd_model: str | None = None) -> None:
         self.client = client
+        self.kvd_model = kvd_model
         self.block_size: int = client.geometry.block_size
-        self.seq = client.open_sequence(token_ids, salt=salt)
+        self.seq: Any = (client.open_sequence(token_ids, salt=salt) if kvd_model is None
+                         else client.open_model_sequence(kvd_model, token_ids, salt=salt))
         self.token_ids = token_ids
         self.num_prompt_tokens = len(token_ids)
         self.num_pads = num_pads  # columns of left padding before the row's token 0
         self.num_sent = len(token_ids)  # tokens the daemon's page table holds
+        self.windows = {} if kvd_model is None else {  # window pools → their windows
+            pool: client.pools[pool].window for pool in self.seq.block_ids
+            if client.pools[pool].window is not None}
+
+    def table(self, pool: str | None = None) -> list[int]:
+        """The block table (of `pool`, for a model's sequence: its first pool's by default)."""
+        tables = self.seq.block_ids
+        if self.kvd_model is None:
+            return tables
+        return tables[next(iter(tables)) if pool is None else pool]
 
     @property
     def num_cached(self) -> int:
@@ -249,7 +347,7 @@ class _Row:
     @property
     def capacity(self) -> int:
         """Tokens the allocated blocks can hold."""
-        return len(self.seq.block_ids) * self.block_size
+        return len(self.table()) * self.block_size
 
     def feed(self, token_ids: list[int], start: int) -> None:
         """Record the tokens at positions [start, start + n), about to be computed."""
@@ -259,20 +357,34 @@ class _Row:
                 f"the model was fed other tokens than the KvdCache was opened with (positions "
                 f"{start}..{start + len(known) - 1}): pass generate the same input_ids")
         self.token_ids.extend(token_ids[len(known):])
-        if start + len(token_ids) > self.capacity:
+        if start + len(token_ids) > self.capacity or self._leaves_window(start):
             self._send(len(self.token_ids), num_computed=start)
 
+    def _leaves_window(self, start: int) -> bool:
+        """Whether a block of a window pool is wholly before the window of token `start` but
+        not released yet (a round trip a block, which keeps the pool's blocks at the window's)."""
+        for pool, window in self.windows.items():
+            end = num_outside_window(start, window, self.block_size)
+            if end and self.table(pool)[end - 1] != HOLE:
+                return True
+        return False
+
     def _send(self, stop: int, num_computed: int) -> None:
-        """Append tokens [num_sent, stop) to the daemon's sequence (blocks as they need)."""
-        # The daemon seals before it appends, so it can only count tokens it already holds.
-        self.client.extend_sequence(self.seq, self.token_ids[self.num_sent:stop],
-                                    num_computed=min(num_computed, self.num_sent))
+        """Append tokens [num_sent, stop) to the daemon's sequence (blocks as they need; a
+        window pool releases the blocks before the window of token `num_computed`)."""
+        # A sequence seals before it appends, so it can only count tokens it already holds; a
+        # model's appends first, so its window pool can release up to the token computed next.
+        extend = (self.client.extend_sequence if self.kvd_model is None
+                  else self.client.extend_model_sequence)
+        extend(self.seq, self.token_ids[self.num_sent:stop],
+               num_computed=min(num_computed, self.num_sent if self.kvd_model is None else stop))
         self.num_sent = stop
 
-    def slots(self, start: int, stop: int, stride: int) -> list[int]:
-        """Flat pool rows of tokens [start, stop) for layer 0's keys (`stride` rows a block)."""
-        block_ids, block_size = self.seq.block_ids, self.block_size
-        return [block_ids[t // block_size] * stride + t % block_size for t in range(start, stop)]
+    def slots(self, start: int, stop: int, flat: _FlatPool, pool: str | None = None
+              ) -> list[int]:
+        """Flat pool rows of tokens [start, stop) for layer 0's keys."""
+        block_ids, block_size, base = self.table(pool), self.block_size, flat.base
+        return [base(block_ids[t // block_size]) + t % block_size for t in range(start, stop)]
 
     def publish(self, num_computed: int) -> None:
         """Seal every full block below `num_computed` tokens.
@@ -284,10 +396,15 @@ class _Row:
         num_held = min(len(self.token_ids), self.capacity)
         if self.num_sent < num_held:
             self._send(num_held, num_computed)
-        self.client.commit_sequence(self.seq, num_computed=num_computed)
+        commit = (self.client.commit_sequence if self.kvd_model is None
+                  else self.client.commit_model_sequence)
+        commit(self.seq, num_computed=num_computed)
 
     def close(self) -> None:
-        self.client.close_sequence(self.seq)
+        if self.kvd_model is None:
+            self.client.close_sequence(self.seq)
+        else:
+            self.client.close_model_sequence(self.seq)
 
 
 @dataclass(frozen=True)
@@ -326,18 +443,30 @@ class _Slots:
         self.read_index = self.read[:, :stop].reshape(-1)
 
 
-class KvdLayer(CacheLayerMixin):
-    """One layer's K and V, kept in the sequences' kvd blocks."""
+@dataclass(frozen=True)
+class _Group:
+    """The layers one pool holds (all of them but in a hybrid model): the pool's rows and
+    where each column's K/V live in it."""
 
-    is_sliding = False
+    pool: str | None  # None: the session's pool
+    flat: _FlatPool
+    slots: _Slots
+
+
+class KvdLayer(CacheLayerMixin):
+    """One layer's K and V, kept in the sequences' kvd blocks. A sliding-window layer
+    (`window`) returns, like transformers' DynamicSlidingWindowLayer, the K/V of the
+    `window - 1` columns before the forward's and of the forward's own."""
 
     def __init__(self, keys_pool: torch.Tensor, values_pool: torch.Tensor, slots: _Slots,
-                 num_rows: int, num_tokens: int) -> None:
+                 num_rows: int, num_tokens: int, window: int | None = None) -> None:
         super().__init__()
         self._pools: tuple[torch.Tensor, torch.Tensor] | None = (keys_pool, values_pool)
         self._slots = slots
         self.num_rows = num_rows
         self.num_tokens = num_tokens  # columns, pads included
+        self.window = window
+        self.is_sliding = window is not None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Check the first K/V against the pool once; the storage itself already exists."""
@@ -367,9 +496,14 @@ class KvdLayer(CacheLayerMixin):
         pools = self._live_pools()
         for pool, states in zip(pools, (key_states, value_states), strict=True):
             self._write(pool, states)
+        offset = self._offset()
         self.num_tokens = stop
-        keys, values = (self._gather(pool, stop) for pool in pools)
+        keys, values = (self._gather(pool, offset, stop) for pool in pools)
         return keys, values
+
+    def _offset(self) -> int:
+        """The first column a forward from here reads (the window's, of a sliding layer)."""
+        return 0 if self.window is None else max(self.num_tokens - self.window + 1, 0)
 
     def _write(self, pool: torch.Tensor, states: torch.Tensor) -> None:
         index = self._slots.write_index
@@ -380,14 +514,17 @@ class KvdLayer(CacheLayerMixin):
         mask = self._slots.write_mask
         pool.index_copy_(0, index, tokens.flatten(0, 1) if mask is None else tokens[mask])
 
-    def _gather(self, pool: torch.Tensor, stop: int) -> torch.Tensor:
-        """K or V of columns [0, stop) as (rows, H, stop, D), read from the blocks."""
-        tokens = pool.index_select(0, self._slots.read_index)  # (rows * stop, H, D)
-        # Column t of row b starts at (b*stop + t)*H*D, head h at h*D: one as_strided instead
-        # of view/transpose, which cost ~3 us of Python each per layer and step.
-        num_heads, head_dim = tokens.shape[1], tokens.shape[2]
-        return tokens.as_strided((self.num_rows, num_heads, stop, head_dim),
-                                 (stop * num_heads * head_dim, head_dim, num_heads * head_dim, 1))
+    def _gather(self, pool: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """K or V of columns [start, stop) as (rows, H, columns, D), read from the blocks."""
+        index = (self._slots.read_index if start == 0
+                 else self._slots.read[:, start:stop].reshape(-1))
+        tokens = pool.index_select(0, index)  # (rows * columns, H, D)
+        # Column t of row b starts at (b*columns + t)*H*D, head h at h*D: one as_strided
+        # instead of view/transpose, which cost ~3 us of Python each per layer and step.
+        num_heads, head_dim, columns = tokens.shape[1], tokens.shape[2], stop - start
+        return tokens.as_strided((self.num_rows, num_heads, columns, head_dim),
+                                 (columns * num_heads * head_dim, head_dim, num_heads * head_dim,
+                                  1))
 
     def _live_pools(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._pools is None:
@@ -399,7 +536,8 @@ class KvdLayer(CacheLayerMixin):
         self._pools = None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.num_tokens + query_length, 0
+        offset = self._offset()  # (what DynamicSlidingWindowLayer says for a sliding layer)
+        return self.num_tokens + query_length - offset, offset
 
     def get_seq_length(self) -> int:
         return self.num_tokens
@@ -417,7 +555,8 @@ class KvdCache(Cache):
 
     def __init__(self, client: Any, model: PreTrainedModel,
                  token_ids: torch.Tensor | Sequence[int], *,
-                 attention_mask: torch.Tensor | None = None, salt: bytes | None = None) -> None:
+                 attention_mask: torch.Tensor | None = None, salt: bytes | None = None,
+                 kvd_model: str | None = None) -> None:
         """Args:
             client: a connected `kvd.Client` whose pool fits `model`.
             model: the model that will run on this cache (its forwards are watched for token ids).
@@ -426,40 +565,58 @@ class KvdCache(Cache):
             attention_mask: for a padded batch, its mask (1: token, 0: pad), shape (b, n); pass
                 `generate` the same mask.
             salt: hashing namespace; default `model_salt(model)`.
+            kvd_model: a daemon model (`--model NAME:FULL,WINDOW`) whose pools hold this
+                model's full-attention and sliding-window layers (a hybrid model, e.g. Gemma 2:
+                one row per cache); None: every layer in the session's pool.
         Raises:
-            BadArgsError: the model does not fit the pool, or a row is empty or not left-padded.
+            BadArgsError: the model does not fit the pool(s), or a row is empty or not
+                left-padded, or a hybrid model gets more than one row.
             NoSpaceError: the pool cannot hold the uncached blocks of every row.
         """
-        check_model_fits(model, client.geometry)
+        if kvd_model is None:
+            check_model_fits(model, client.geometry)
+            placement: list[tuple[str | None, list[int]]] = [
+                (None, list(range(client.geometry.num_layers)))]
+        else:
+            placement = list(model_pools(model, client, kvd_model))
         prompt = _prompt_rows(token_ids, attention_mask)
+        if kvd_model is not None and len(prompt) > 1:
+            # (rows with different cached prefixes would read window blocks a row released)
+            raise BadArgsError("a model with sliding-window layers runs one row per KvdCache: "
+                               "open one cache per prompt")
         salt = model_salt(model) if salt is None else salt
-        self._rows = self._open_rows(client, prompt, salt)
-        pool = pool_tensor(client)  # after a NoSpaceError no view is left in its traceback
+        self._rows = self._open_rows(client, prompt, salt, kvd_model)
         self.num_prompt_columns = len(prompt[0][0]) + prompt[0][1]
         self._is_padded = any(num_pads for _, num_pads in prompt)
         self._pads = torch.tensor([[row.num_pads] for row in self._rows])
-        geometry = client.geometry
-        self._block_stride = geometry.num_layers * 2 * geometry.block_size
-        flat = pool.view(-1, geometry.num_kv_heads, geometry.head_dim)
-        self._slots = _Slots(len(self._rows), self.num_prompt_columns + 8 * geometry.block_size)
+        block_size = client.geometry.block_size
         first_computed = self.num_prompt_columns - max(
             row.num_prompt_tokens - row.num_cached for row in self._rows)
-        self._layers = [
-            KvdLayer(flat[2 * layer * geometry.block_size:],
-                     flat[(2 * layer + 1) * geometry.block_size:], self._slots, len(self._rows),
-                     first_computed)
-            for layer in range(geometry.num_layers)]
+        layers: dict[int, KvdLayer] = {}
+        self._groups: list[_Group] = []
+        for pool, indices in placement:
+            # (after a NoSpaceError opening the rows no view is left in its traceback)
+            flat = flat_pool(client, pool)
+            slots = _Slots(len(self._rows), self.num_prompt_columns + 8 * block_size)
+            self._groups.append(_Group(pool, flat, slots))
+            window = (client.geometry if pool is None else client.pools[pool]).window
+            for number, index in enumerate(indices):
+                layers[index] = KvdLayer(flat.rows[2 * number * block_size:],
+                                         flat.rows[(2 * number + 1) * block_size:], slots,
+                                         len(self._rows), first_computed, window)
+        self._layers = [layers[index] for index in range(len(layers))]
         super().__init__(layers=list(self._layers))
         self._no_space: NoSpaceError | None = None  # raised by a forward: close() notes on it
         self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self.is_closed = False
 
     @staticmethod
-    def _open_rows(client: Any, prompt: list[tuple[list[int], int]], salt: bytes) -> list[_Row]:
+    def _open_rows(client: Any, prompt: list[tuple[list[int], int]], salt: bytes,
+                   kvd_model: str | None) -> list[_Row]:
         rows: list[_Row] = []
         try:
             for token_ids, num_pads in prompt:
-                rows.append(_Row(client, token_ids, salt, num_pads))
+                rows.append(_Row(client, token_ids, salt, num_pads, kvd_model))
         except BaseException:
             _close_all(rows)
             raise
@@ -471,7 +628,7 @@ class KvdCache(Cache):
         num_columns = self._num_columns_done()
         return [KvdRow(row.num_prompt_tokens, row.num_cached,
                        max(0, num_columns - row.num_pads - row.num_cached),
-                       row.seq.num_sealed_blocks * row.block_size, list(row.seq.block_ids))
+                       row.seq.num_sealed_blocks * row.block_size, list(row.table()))
                 for row in self._rows]
 
     def _num_columns_done(self) -> int:
@@ -524,18 +681,23 @@ class KvdCache(Cache):
                                "from the attention mask)")
 
     def _locate(self, start: int, stop: int) -> None:
-        """Where columns [start, stop) go: read rows of every column up to `stop` (from column 0
-        on the first forward), write rows of the row's tokens this forward computes afresh."""
-        stride, slots = self._block_stride, self._slots
+        """Where columns [start, stop) go, in each pool the layers use."""
+        for group in self._groups:
+            self._locate_in(group, start, stop)
+
+    def _locate_in(self, group: _Group, start: int, stop: int) -> None:
+        """Read rows of every column up to `stop` (from column 0 on the first forward), write
+        rows of the row's tokens this forward computes afresh, in one pool."""
+        flat, pool, slots = group.flat, group.pool, group.slots
         begin = min(slots.num_columns, start)  # 0 at first; start again after a failed forward
         reads, writes, skips = [], [], []
         for row in self._rows:
             first = begin - row.num_pads
-            pads = row.slots(0, 1, stride) * -first if first < 0 else []  # read token 0's K/V
-            reads.append(pads + row.slots(max(0, first), stop - row.num_pads, stride))
+            pads = row.slots(0, 1, flat, pool) * -first if first < 0 else []  # token 0's K/V
+            reads.append(pads + row.slots(max(0, first), stop - row.num_pads, flat, pool))
             # Columns before num_pads + num_cached hold pads or cached tokens: not stored.
             skip = min(max(0, row.num_pads + row.num_cached - start), stop - start)
-            writes += row.slots(start + skip - row.num_pads, stop - row.num_pads, stride)
+            writes += row.slots(start + skip - row.num_pads, stop - row.num_pads, flat, pool)
             skips.append(skip)
         slots.set_read(begin, reads)
         if len(self._rows) == 1 and len(writes) == 1 and stop - start == 1:
@@ -558,6 +720,7 @@ class KvdCache(Cache):
         num_columns = self._num_columns_done()
         for layer in self._layers:
             layer.detach()
+        self._groups = []  # (their flat views of the pool)
         try:
             for row in self._rows:
                 row.publish(max(row.num_cached, num_columns - row.num_pads))
@@ -626,7 +789,7 @@ class KvdGeneration:
 def generate_with_kvd(model: PreTrainedModel, client: Any,
                       input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]], *,
                       attention_mask: torch.Tensor | None = None, salt: bytes | None = None,
-                      **generate_kwargs: Any) -> KvdGeneration:
+                      kvd_model: str | None = None, **generate_kwargs: Any) -> KvdGeneration:
     """`model.generate` on a KvdCache: reuse each row's cached prefix, seal its new full blocks.
 
     Args:
@@ -634,6 +797,7 @@ def generate_with_kvd(model: PreTrainedModel, client: Any,
             any lengths (padded on the left here), or a left-padded batch (b, n).
         attention_mask: the mask of a padded (b, n) batch.
         salt: hashing namespace; default `model_salt(model)`.
+        kvd_model: the daemon model whose pools hold a hybrid model's layers (KvdCache).
         generate_kwargs: for `model.generate`; num_return_sequences=k repeats each prompt k
             times in the batch; num_beams > 1 raises BadArgsError.
     `generate` gets the whole batch; the cache's length makes it compute only the uncached
@@ -653,7 +817,8 @@ def generate_with_kvd(model: PreTrainedModel, client: Any,
         mask = None if mask is None else mask.repeat_interleave(repeats, 0)
     if mask is not None:
         generate_kwargs["attention_mask"] = mask
-    with KvdCache(client, model, ids, attention_mask=mask, salt=salt) as cache:
+    with KvdCache(client, model, ids, attention_mask=mask, salt=salt,
+                  kvd_model=kvd_model) as cache:
         output = model.generate(ids, cache=cache, num_return_sequences=1, **generate_kwargs)
     return KvdGeneration(output, cache.rows)
 

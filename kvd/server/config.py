@@ -21,6 +21,13 @@ Two spellings, the same keys (the flags' names without the dashes in front):
         kv-heads = 8
         ...
 
+A *model* is a set of pools of one block size that one sequence spans (e.g. a hybrid model's
+full-attention layers in one pool and its sliding-window layers in another, with `window`):
+
+    kvd start ... --model gemma:gemma-full,gemma-window
+        [models.gemma]
+        pools = ["gemma-full", "gemma-window"]
+
 A key left out takes the single-pool flags' default (block-size 16, layers 8, kv-heads 8,
 head-dim 128, dtype float16, parts 2, no window). The single-pool flags alone make one pool
 named `default`. Every mistake is a BadArgsError that names the fix: an unknown key (the valid
@@ -47,7 +54,7 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,32}")
 POOL_KEYS: dict[str, str] = {
     "layers": "num_layers", "kv-heads": "num_kv_heads", "head-dim": "head_dim",
     "dtype": "dtype", "block-size": "block_size", "parts": "parts", "window": "window"}
-TOP_KEYS = ("memory", "policy", "pools")
+TOP_KEYS = ("memory", "policy", "pools", "models")
 
 
 @dataclass(frozen=True)
@@ -63,10 +70,60 @@ class PoolSpec:
         return self.shape.block_nbytes
 
 
-def check_pool_name(name: Any) -> str:
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model: its name and the pools one of its sequences spans."""
+
+    name: str
+    pools: tuple[str, ...]
+
+
+def check_pool_name(name: Any, kind: str = "pool") -> str:
     if type(name) is not str or not _NAME_RE.fullmatch(name):
-        raise BadArgsError(f"pool name must be 1 to 32 letters, digits, '_' or '-', got {name!r}")
+        raise BadArgsError(f"{kind} name must be 1 to 32 letters, digits, '_' or '-', "
+                           f"got {name!r}")
     return name
+
+
+def parse_model_flag(text: str) -> ModelSpec:
+    """`NAME:POOL,POOL,...` of `--model`."""
+    name, colon, rest = text.partition(":")
+    if not colon or not rest:
+        raise BadArgsError(f"--model {text!r}: write NAME:POOL[,POOL...]")
+    return ModelSpec(check_pool_name(name, "model"), tuple(rest.split(",")))
+
+
+def _model_table(path: Path, name: Any, values: Any) -> ModelSpec:
+    pools = values.get("pools") if isinstance(values, dict) else None
+    if (set(values) != {"pools"} or not isinstance(pools, list)
+            or not all(isinstance(pool, str) for pool in pools)):
+        raise BadArgsError(f"config file {path}: write model {name!r} as [models.{name}] with "
+                           "one key, pools = [\"POOL\", ...]")
+    return ModelSpec(check_pool_name(name, "model"), tuple(pools))
+
+
+def check_models(models: list[ModelSpec], pools: list[PoolSpec]) -> list[ModelSpec]:
+    """Models over configured pools: distinct names, none a pool's (OP@NAME names either), each
+    pool once, at least one, all of one block size (one hash chain serves them all)."""
+    if models and not pools:
+        raise BadArgsError("a model spans pools: configure them with --pool NAME:... or "
+                           "[pools.NAME] in --config")
+    shapes = {spec.name: spec.shape for spec in pools}
+    seen: set[str] = set()
+    for model in models:
+        if model.name in seen or model.name in shapes:
+            raise BadArgsError(f"model {model.name!r} is configured twice or shares a pool's "
+                               "name: give each model a name no pool or other model has")
+        seen.add(model.name)
+        unknown = [name for name in model.pools if name not in shapes]
+        if unknown or not model.pools or len(set(model.pools)) != len(model.pools):
+            raise BadArgsError(f"model {model.name!r}: pools {list(model.pools)} must be distinct "
+                               f"configured pools ({', '.join(shapes)}); unknown: {unknown}")
+        sizes = {shapes[name].block_size for name in model.pools}
+        if len(sizes) > 1:
+            raise BadArgsError(f"model {model.name!r}: its pools have block sizes "
+                               f"{sorted(sizes)}; give them one block-size")
+    return models
 
 
 def pool_spec(name: Any, values: dict[str, Any]) -> PoolSpec:
@@ -107,8 +164,8 @@ def _int(name: str, key: str, value: str) -> int:
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
-    """A `--config` TOML file as {"memory": ..., "policy": ..., "pools": [PoolSpec, ...]}
-    (memory and policy None where the file leaves them out)."""
+    """A `--config` TOML file as {"memory": ..., "policy": ..., "pools": [PoolSpec, ...],
+    "models": [ModelSpec, ...]} (memory and policy None where the file leaves them out)."""
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
@@ -124,8 +181,12 @@ def read_config(path: str | Path) -> dict[str, Any]:
     pools = data.get("pools", {})
     if not isinstance(pools, dict) or not all(isinstance(v, dict) for v in pools.values()):
         raise BadArgsError(f"config file {path}: write each pool as a table [pools.NAME]")
+    models = data.get("models", {})
+    if not isinstance(models, dict):
+        raise BadArgsError(f"config file {path}: write each model as a table [models.NAME]")
     return {"memory": data.get("memory"), "policy": data.get("policy"),
-            "pools": [pool_spec(name, values) for name, values in pools.items()]}
+            "pools": [pool_spec(name, values) for name, values in pools.items()],
+            "models": [_model_table(path, name, values) for name, values in models.items()]}
 
 
 def check_pools(pools: list[PoolSpec], budget_nbytes: int) -> list[PoolSpec]:

@@ -18,6 +18,13 @@ daemon's first pool, named `default` for the single-pool flags) with the plain o
 pool NAME with `OP@NAME` (`alloc@draft`, `seq_open@draft`): one dict lookup either way, the
 session holding the op table of its pool, so a single-pool request pays nothing for the others.
 
+Models: a model (`add_model`, from `--model NAME:POOL,POOL` or [models.NAME]) is a set of pools
+of one block size, e.g. a hybrid model's full-attention layers in one and its sliding-window
+layers in another. `seq_open@MODEL` (and extend, commit, fork, info, close) runs one sequence
+in every pool of the model in one request: one seq_id (each pool's sequence has that id, so the
+per-pool ops see it too), one block table per pool, the prefix hit the longest every pool serves
+(kvd/core/page_table.py: a window pool needs only the window before the hit point).
+
 Sessions: a session is one connection. It must say `hello` (protocol version) first. Its raw
 `alloc`/`lookup`/`pin` pins are held under the session's pool owner id; each sequence it opens
 holds its pins under an owner id of its own. `close_session` — on EOF, on the peer's pidfd
@@ -42,7 +49,9 @@ from kvd.errors import (
 from kvd.geometry import Geometry
 from kvd.hashing import HASH_VERSION
 from kvd.server.metrics import OpStats
-from kvd.core.page_table import PageTable, SequenceRecord
+from kvd.core.page_table import (
+    PageTable, SequenceRecord, extend_spanning, fork_spanning, open_spanning,
+)
 from kvd.core.policies import TIER_NAMES, TieredPolicy
 from kvd.core.pool import BlockPool
 from kvd.protocol import (
@@ -137,6 +146,7 @@ class Service:
         self.served: dict[str, Served] = {}
         self._hot_of: dict[str, HotOps] = {}  # pool name → the hot ops of its sessions
         self._hot_named: HotOps = {}  # OP@NAME for every pool
+        self.models: dict[str, list[Served]] = {}  # model name → its pools
         self.add_pool(pool_name, pool, geometry, copy_block)
         self.default = self.served[pool_name]
         self.pool, self.geometry = pool, geometry  # (the first pool's: loop, metrics, journal)
@@ -159,6 +169,11 @@ class Service:
             "seq_commit": self._seq_commit, "seq_fork": self._seq_fork,
             "seq_close": self._seq_close, "seq_info": self._seq_info,
         }
+        self._model_ops: dict[str, Callable[[list[Served], Session, dict[str, Any]], Any]] = {
+            "seq_open": self._model_open, "seq_extend": self._model_extend,
+            "seq_commit": self._model_commit, "seq_fork": self._model_fork,
+            "seq_close": self._model_close, "seq_info": self._model_info,
+        }
         if os.environ.get(DEBUG_ENV) == "1":
             self._ops["check_invariants"] = self._check_invariants
         for op in (*self._hot_of[pool_name], *self._ops, *self._pool_ops):  # the ops timed:
@@ -167,13 +182,19 @@ class Service:
     def add_pool(self, name: str, pool: BlockPool, geometry: Geometry,
                  copy_block: Callable[[int, int], None]) -> None:
         """Serve another pool (before any session opens: the op tables are rebuilt)."""
-        page_table = PageTable(pool, geometry.block_size, lambda: next(self._ids), copy_block)
+        page_table = PageTable(pool, geometry.block_size, lambda: next(self._ids), copy_block,
+                               geometry.window)
         served = self.served[name] = Served(name, pool, geometry, page_table)
         hot = self._hot_ops(served)
         self._hot_named.update({f"{op}@{name}": entry for op, entry in hot.items()})
         self._hot_of[name] = hot
         for ops in self._hot_of.values():  # (in place: a session holds one of these dicts)
             ops.update(self._hot_named)
+
+    def add_model(self, name: str, pool_names: list[str]) -> None:
+        """Serve a model over pools already added (kvd/server/config.py checked the names and
+        that they share one block size)."""
+        self.models[name] = [self.served[pool_name] for pool_name in pool_names]
 
     def _hot_ops(self, served: Served) -> HotOps:
         """The hot ops of one pool: (schema, whether it writes, handler of the schema's values
@@ -291,6 +312,10 @@ class Service:
     def _pool_op(self, session: Session, op: str) -> Callable[[Session, dict[str, Any]], Any]:
         """The handler of a pool's non-hot op: OP for the session's pool, OP@NAME for NAME's."""
         name, at, pool_name = op.partition("@")
+        model = self.models.get(pool_name) if at else None
+        if model is not None and name in self._model_ops:
+            model_handler = self._model_ops[name]
+            return lambda session, args: model_handler(model, session, args)
         served = self._served(pool_name) if at else session.served
         handler = self._pool_ops.get(name)
         if handler is None:
@@ -303,7 +328,9 @@ class Service:
     def _served(self, name: str) -> Served:
         served = self.served.get(name)
         if served is None:
-            raise NotFoundError(f"no pool {name!r}: this daemon serves {', '.join(self.served)}")
+            models = f" (and models {', '.join(self.models)})" if self.models else ""
+            raise NotFoundError(f"no pool {name!r}: this daemon serves "
+                                f"{', '.join(self.served)}{models}")
         return served
 
     # ---- ops -----------------------------------------------------------------------------
@@ -324,6 +351,8 @@ class Service:
                 "hash_version": HASH_VERSION, "geometry": session.served.geometry.to_dict(),
                 "pool": session.served.name,
                 "pools": {name: served.geometry.to_dict() for name, served in self.served.items()},
+                "models": {name: [served.name for served in model]
+                           for name, model in self.models.items()},
                 **self.info}
 
     def _check_writable(self) -> None:
@@ -475,15 +504,16 @@ class Service:
     def _check_pins(self, session: Session, num_new: int) -> None:
         self._check_limit(session.num_pins + num_new, "max_pins", "block pins in its sequences")
 
-    def _counting_pins(self, served: Served, session: Session, call: Callable[[], Any]) -> Any:
-        """`call()` (an op of `served`'s page table), its change of the sequences' pins charged
-        to `session`."""
-        page_table = served.page_table
-        num_pins = page_table.num_pins
+    def _counting_pins(self, served: Served | list[Served], session: Session,
+                       call: Callable[[], Any]) -> Any:
+        """`call()` (an op of `served`'s page table, or of a model's pools), its change of the
+        sequences' pins charged to `session`."""
+        tables = [each.page_table for each in (served if isinstance(served, list) else [served])]
+        num_pins = sum(table.num_pins for table in tables)
         try:
             return self._with_room(call)
         finally:
-            session.num_pins += page_table.num_pins - num_pins
+            session.num_pins += sum(table.num_pins for table in tables) - num_pins
 
     def _seq_extend(self, served: Served, session: Session, args: dict[str, Any]) -> list[int]:
         self._check_writable()
@@ -511,7 +541,8 @@ class Service:
         check_no_extra(args, ("seq_id", "num_computed"))
         record = self._sequence(served, session, args)
         num_computed = arg_int(args, "num_computed", 0, record.num_tokens, record.num_tokens)
-        return served.page_table.commit(record, num_computed)
+        return self._counting_pins(  # (a window pool releases blocks outside the window)
+            served, session, lambda: served.page_table.commit(record, num_computed))
 
     def _seq_fork(self, served: Served, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         self._check_writable()
@@ -528,10 +559,101 @@ class Service:
     def _seq_close(self, served: Served, session: Session, args: dict[str, Any]) -> None:
         check_no_extra(args, ("seq_id",))
         record = self._sequence(served, session, args)
-        session.seq_ids.discard(record.seq_id)
-        session.fork_ids.discard(record.seq_id)
         self._counting_pins(served, session, lambda: served.page_table.close(record))
+        # (a model's sequence stays the session's while another of its pools holds it)
+        if not any(record.seq_id in other.page_table.sequences for other in self.served.values()):
+            session.seq_ids.discard(record.seq_id)
+            session.fork_ids.discard(record.seq_id)
 
     def _seq_info(self, served: Served, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         check_no_extra(args, ("seq_id",))
         return self._describe(self._sequence(served, session, args))
+
+    # ---- sequences of a model (one per pool, one seq_id) -----------------------------------
+    def _model_records(self, model: list[Served], session: Session, args: dict[str, Any]
+                       ) -> list[SequenceRecord]:
+        return [self._sequence(served, session, args) for served in model]
+
+    @staticmethod
+    def _describe_model(model: list[Served], records: list[SequenceRecord], **extra: Any
+                        ) -> dict[str, Any]:
+        """The sequence: its id and length, and each pool's block table (HOLE, -1, where a
+        window pool released a block) and sealed-block count."""
+        return {"seq_id": records[0].seq_id, "num_tokens": records[0].num_tokens,
+                "pools": {served.name: {"block_ids": record.block_ids,
+                                        "num_sealed_blocks": record.num_sealed}
+                          for served, record in zip(model, records)}, **extra}
+
+    def _model_open(self, model: list[Served], session: Session, args: dict[str, Any]
+                    ) -> dict[str, Any]:
+        self._check_writable()
+        tokens, salt, max_cached = self._open_args(args)
+        self._check_length(model[0], len(tokens) // 4)
+        self._check_limit(len(session.seq_ids) + 1, "max_sequences", "open sequences")
+        self._check_pins(session, len(model) * -(-len(tokens) // 4 // model[0].geometry.block_size))
+        seq_id = next(self._ids)
+        records, num_cached = self._counting_pins(model, session, lambda: open_spanning(
+            [served.page_table for served in model], seq_id, tokens, salt, max_cached))
+        session.seq_ids.add(seq_id)
+        return self._describe_model(model, records, num_cached_tokens=num_cached)
+
+    def _model_extend(self, model: list[Served], session: Session, args: dict[str, Any]
+                      ) -> dict[str, list[int]]:
+        self._check_writable()
+        check_no_extra(args, ("seq_id", "tokens", "num_computed"))
+        records = self._model_records(model, session, args)
+        tokens = self._tokens(args)
+        num_tokens = records[0].num_tokens
+        # (up to the appended tokens: the engine is about to compute them, see extend_spanning)
+        num_computed = arg_int(args, "num_computed", 0, num_tokens + len(tokens) // 4,
+                               num_tokens)
+        num_blocks = -(-(num_tokens + len(tokens) // 4) // model[0].geometry.block_size)
+        self._check_length(model[0], num_tokens + len(tokens) // 4)
+        self._check_pins(session, sum(num_blocks - len(record.own_block_ids)
+                                      - record.num_run_blocks for record in records))
+        new_ids = self._counting_pins(model, session, lambda: extend_spanning(
+            [served.page_table for served in model], records, tokens, num_computed))
+        return {served.name: ids for served, ids in zip(model, new_ids)}
+
+    def _model_commit(self, model: list[Served], session: Session, args: dict[str, Any]
+                      ) -> dict[str, int]:
+        self._check_writable()
+        check_no_extra(args, ("seq_id", "num_computed"))
+        records = self._model_records(model, session, args)
+        num_tokens = records[0].num_tokens
+        num_computed = arg_int(args, "num_computed", 0, num_tokens, num_tokens)
+        return self._counting_pins(model, session, lambda: {  # (a window pool releases)
+            served.name: served.page_table.commit(record, num_computed)
+            for served, record in zip(model, records)})
+
+    def _model_fork(self, model: list[Served], session: Session, args: dict[str, Any]
+                    ) -> dict[str, Any]:
+        self._check_writable()
+        check_no_extra(args, ("seq_id",))
+        records = self._model_records(model, session, args)
+        self._check_limit(len(session.seq_ids) + 1, "max_sequences", "open sequences")
+        self._check_limit(len(session.fork_ids) + 1, "max_forks", "forked sequences")
+        self._check_pins(session, sum(len(record.own_block_ids) - len(record.own_hashes)
+                                      for record in records))
+        seq_id = next(self._ids)
+        children = self._counting_pins(model, session, lambda: fork_spanning(
+            [served.page_table for served in model], records, seq_id))
+        session.seq_ids.add(seq_id)
+        session.fork_ids.add(seq_id)
+        return self._describe_model(model, children)
+
+    def _model_close(self, model: list[Served], session: Session, args: dict[str, Any]) -> None:
+        check_no_extra(args, ("seq_id",))
+        records = self._model_records(model, session, args)
+        session.seq_ids.discard(records[0].seq_id)
+        session.fork_ids.discard(records[0].seq_id)
+
+        def close_all() -> None:
+            for served, record in zip(model, records):
+                served.page_table.close(record)
+        self._counting_pins(model, session, close_all)
+
+    def _model_info(self, model: list[Served], session: Session, args: dict[str, Any]
+                    ) -> dict[str, Any]:
+        check_no_extra(args, ("seq_id",))
+        return self._describe_model(model, self._model_records(model, session, args))

@@ -66,7 +66,7 @@ from kvd.segment import Segment
 from kvd.server.journal import (JOURNAL_FILENAME, Journal, Loaded, PoolJournals, failpoint,
                                 pool_journal_filename, remove_journal, set_aside_files)
 from kvd.server.metrics import OpStats, serve_metrics
-from kvd.server.config import PoolSpec, check_pools
+from kvd.server.config import ModelSpec, PoolSpec, check_models, check_pools
 from kvd.server.recovery import (attach_pools, attach_recoverable, drop_shared_slabs,
                                  load_journal, read_stamp, reshape, restore, stamp)
 from kvd.server.remote import (DEFAULT_TIMEOUT_MS, BlockCodec, RemoteTier, SealTap, parse_url,
@@ -89,6 +89,7 @@ class DaemonConfig:
         journal: keep the crash-recovery journal (off: faster seals, nothing survives).
         pools: several pools (kvd/server/config.py) sharing `budget_nbytes` through an arena
             (kvd/core/arena.py); empty: the one pool of `geometry`, named "default".
+        models: models whose sequences span several of the pools (kvd/server/config.py).
         limits: what each session, and all together, may hold (`--max-*`).
         remote: `--remote` URL of the remote tier (docs/remote.md); None: no remote tier.
         remote_timeout_ms: how long a lookup waits for the remote tier.
@@ -104,6 +105,7 @@ class DaemonConfig:
     journal: bool = True
     pools: tuple[PoolSpec, ...] = ()
     budget_nbytes: int = 0
+    models: tuple[ModelSpec, ...] = ()
     limits: Limits = Limits()
     remote: str | None = None
     remote_timeout_ms: int = DEFAULT_TIMEOUT_MS
@@ -123,6 +125,7 @@ class DaemonConfig:
             raise BadArgsError(f"metrics port must be an int in [0, 65535], got {port!r}")
         if self.pools:
             check_pools(list(self.pools), self.budget_nbytes)
+        check_models(list(self.models), list(self.pools))
 
     @property
     def journal_dir(self) -> str:
@@ -440,6 +443,8 @@ def _open_pools(config: DaemonConfig, journals: PoolJournals | None, stop: Stop,
             service.add_pool(spec.name, pool, geometry, copy_block)
     if service is None:
         raise BadArgsError("no pool configured")
+    for model in config.models:
+        service.add_model(model.name, list(model.pools))
     return segment, service, num_restored
 
 

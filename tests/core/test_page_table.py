@@ -13,7 +13,9 @@ import pytest
 
 from kvd.errors import BadArgsError, NoSpaceError
 from kvd.hashing import hash_blocks, token_bytes
-from kvd.core.page_table import PageTable
+from kvd.core.page_table import (
+    HOLE, PageTable, extend_spanning, fork_spanning, open_spanning,
+)
 from kvd.core.pool import BlockPool
 
 BLOCK_SIZE = 4
@@ -251,3 +253,35 @@ def test_deferred_close_releases_tail_first_in_bounded_steps():
     assert h.pool.num_cached == 6 and h.table.owners() == set()
     h.pool.allocate(3, owner=1)  # 2 free + 1 eviction: the chain's tail goes first
     assert h.pool.find(hashes[5]) is None and h.pool.find(hashes[4]) is not None
+
+
+def _spanning_pair(num_window_blocks: int) -> tuple[Harness, Harness]:
+    full, window = Harness(16), Harness(num_window_blocks)
+    window.table = PageTable(window.pool, BLOCK_SIZE, lambda: 0, window._copy, window=6)
+    return full, window
+
+
+def test_a_spanning_open_or_extend_without_room_in_one_pool_changes_nothing():
+    full, window = _spanning_pair(num_window_blocks=3)
+    tables = [full.table, window.table]
+    before = (full.snapshot(), window.snapshot())
+    with pytest.raises(NoSpaceError):
+        open_spanning(tables, 7, token_bytes(list(range(17))), b"", None)  # 5 blocks; 3 there
+    assert (full.snapshot(), window.snapshot()) == before and not window.table.sequences
+    records, num_cached = open_spanning(tables, 7, token_bytes(list(range(9))), b"", None)
+    assert num_cached == 0 and [len(r.block_ids) for r in records] == [3, 3]
+    before = (full.snapshot(), window.snapshot())
+    with pytest.raises(NoSpaceError):  # 4 more tokens: a 4th block, none free in the window pool
+        extend_spanning(tables, records, token_bytes([1, 2, 3, 4]), 9)
+    assert (full.snapshot(), window.snapshot()) == before
+    # Committing 9 of them released block 0 of the window pool (wholly before 9 - 6 + 1 = 4).
+    assert extend_spanning(tables, records, token_bytes([1]), 9) == [[], []]
+    assert records[1].block_ids[0] == HOLE and records[1].num_released == 1
+    assert window.pool.state(0) == "cached"
+    children = fork_spanning(tables, records, 8)
+    assert children[1].block_ids[0] == HOLE
+    for table, record in [*zip(tables, records), *zip(tables, children)]:
+        table.close(record)
+    assert full.table.num_pins == window.table.num_pins == 0
+    full.pool.check_invariants()
+    window.pool.check_invariants()

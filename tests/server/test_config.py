@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvd.errors import BadArgsError, NotFoundError
-from kvd.server.config import check_pools, parse_pool_flag, read_config
+from kvd.server.config import (
+    ModelSpec, check_models, check_pools, parse_model_flag, parse_pool_flag, read_config,
+)
 
 TARGET = "target:layers=32,kv-heads=8,head-dim=128,dtype=bfloat16,block-size=16"
 
@@ -71,3 +73,40 @@ def test_duplicate_names_and_budgets_too_small_are_refused():
     with pytest.raises(BadArgsError, match="no pool configured"):
         check_pools([], 1 << 30)
     assert check_pools([target], 1 << 30) == [target]
+
+
+FULL = "full:layers=2,kv-heads=2,head-dim=8,block-size=16"
+WINDOW = "window:layers=2,kv-heads=2,head-dim=8,block-size=16,window=512"
+
+
+def test_models_from_flags_and_toml(tmp_path):
+    pools = [parse_pool_flag(FULL), parse_pool_flag(WINDOW)]
+    model = parse_model_flag("gemma:full,window")
+    assert check_models([model], pools) == [ModelSpec("gemma", ("full", "window"))]
+    path = tmp_path / "kvd.toml"
+    path.write_text('[pools.full]\nlayers = 2\n[pools.window]\nwindow = 64\n'
+                    '[models.gemma]\npools = ["full", "window"]\n')
+    assert read_config(path)["models"] == [model]
+
+
+@pytest.mark.parametrize("models, match", [
+    (["gemma"], "NAME:POOL"),
+    (["gemma:full,nope"], "unknown: \\['nope'\\]"),
+    (["gemma:full,full"], "must be distinct"),
+    (["full:full,window"], "shares a pool's name"),
+    (["gemma:full", "gemma:window"], "configured twice"),
+    (["gemma:full,other"], "block sizes \\[4, 16\\]; give them one block-size"),
+    (["ge mma:full"], "model name"),
+])
+def test_bad_models_name_the_fix(models, match):
+    pools = [parse_pool_flag(FULL), parse_pool_flag(WINDOW),
+             parse_pool_flag("other:layers=1,block-size=4")]
+    with pytest.raises(BadArgsError, match=match):
+        check_models([parse_model_flag(text) for text in models], pools)
+
+
+def test_a_bad_model_table_names_the_fix(tmp_path):
+    path = tmp_path / "kvd.toml"
+    path.write_text('[pools.full]\nlayers = 2\n[models.gemma]\npool = ["full"]\n')
+    with pytest.raises(BadArgsError, match="pools = "):
+        read_config(path)

@@ -17,15 +17,9 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-if os.environ.get("KVD_REQUIRE_ENGINES") == "1":
-    import torch
-    import transformers  # noqa: F401
-else:
-    torch = pytest.importorskip(
-        "torch", reason="torch is not installed: `pip install -e '.[engines]'` runs this test")
-    pytest.importorskip(
-        "transformers", reason="transformers is not installed: `pip install -e '.[engines]'`")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from hf_engines import import_torch
+
+torch = import_torch()
 
 from transformers import Gemma2Config, Gemma2ForCausalLM  # noqa: E402
 

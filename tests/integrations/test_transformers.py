@@ -23,16 +23,9 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-# CI sets KVD_REQUIRE_ENGINES=1: there a missing engine fails the run instead of skipping it.
-if os.environ.get("KVD_REQUIRE_ENGINES") == "1":
-    import torch
-    import transformers  # noqa: F401
-else:
-    torch = pytest.importorskip(
-        "torch", reason="torch is not installed: `pip install -e '.[engines]'` runs this test")
-    pytest.importorskip(
-        "transformers", reason="transformers is not installed: `pip install -e '.[engines]'`")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from hf_engines import import_torch
+
+torch = import_torch()
 
 import kvd  # noqa: E402
 from kvd.integrations.transformers import KvdCache, generate_with_kvd, model_salt  # noqa: E402

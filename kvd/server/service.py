@@ -152,6 +152,7 @@ class Service:
         self.pool, self.geometry = pool, geometry  # (the first pool's: loop, metrics, journal)
         self.page_table = self.default.page_table
         self.sessions: dict[int, Session] = {}
+        self.num_deferred = 0  # pins of closed sessions not released yet, in every pool
         self.started_at = time.time()
         self.remote: Any = None  # the remote tier (kvd/server/remote), if --remote
         self.imported: frozenset[int] = frozenset()  # blocks it imported for the request running
@@ -259,12 +260,13 @@ class Service:
             served.page_table.defer_release([b for b in sorted(held) for _ in range(held[b])],
                                             session.session_id)
         self.counters["sessions_closed"] += 1
+        self._count_deferred()
         return self.num_deferred - num_queued
 
-    @property
-    def num_deferred(self) -> int:
-        """Pins of closed sessions not released yet, in every pool."""
-        return sum(served.page_table.num_deferred for served in self.served.values())
+    def _count_deferred(self) -> None:
+        # A plain attribute, kept by the only two methods that change the queues: the loop reads
+        # it every iteration.
+        self.num_deferred = sum(served.page_table.num_deferred for served in self.served.values())
 
     def release_deferred(self, max_pins: int) -> bool:
         """Release up to `max_pins` pins of closed sessions; whether any are left."""
@@ -274,6 +276,7 @@ class Service:
             if num_before and max_pins > 0:
                 page_table.release_deferred(max_pins)
                 max_pins -= num_before - page_table.num_deferred
+        self._count_deferred()
         return self.num_deferred > 0
 
     def _with_room(self, call: Callable[[], Any]) -> Any:

@@ -131,6 +131,9 @@ class ModelSequence:
     num_sealed_blocks: int = 0
     is_closed: bool = field(default=False, repr=False)
     epoch: int = field(default=0, repr=False)
+    # pool name → leading blocks shared with a fork (the daemon keeps them while any sharer
+    # lives, so the table shows them even outside the window; kvd/core/page_table.py)
+    num_shared_blocks: dict[str, int] = field(default_factory=dict, repr=False)
 
 
 class _Reply:
@@ -857,14 +860,19 @@ class Client:
         """Open a sequence in every pool of `model` (one round trip): the longest prefix every
         pool serves (a sliding-window pool: the window before it) is reused, the rest allocated.
         """
+        self._check_writer("open_model_sequence")
         args: dict[str, Any] = {"tokens": token_bytes(token_ids), "salt": salt}
         if max_cached_tokens is not None:
             args["max_cached_tokens"] = _int(max_cached_tokens, "max_cached_tokens")
         reply = self._call(f"seq_open@{model}", args)
+        return self._model_sequence(reply, model, reply["num_cached_tokens"])
+
+    def _model_sequence(self, reply: dict[str, Any], model: str, num_cached_tokens: int
+                        ) -> ModelSequence:
         pools = reply["pools"]
         return ModelSequence(reply["seq_id"], model,
                              {name: each["block_ids"] for name, each in pools.items()},
-                             reply["num_tokens"], reply["num_cached_tokens"],
+                             reply["num_tokens"], num_cached_tokens,
                              min(each["num_sealed_blocks"] for each in pools.values()),
                              epoch=self.num_reconnects)
 
@@ -873,6 +881,7 @@ class Client:
         """Append tokens in every pool of the model, first committing `num_computed` (default:
         the tokens before this call); returns each pool's new block ids. Window pools release
         the blocks wholly before the window of token `num_computed` (marked -1 here)."""
+        self._check_writer("extend_model_sequence")
         self._check_live(seq)
         data = token_bytes(token_ids)
         num_computed = (seq.num_tokens if num_computed is None
@@ -882,7 +891,7 @@ class Client:
         for name, ids in new_ids.items():
             table = seq.block_ids[name]
             table.extend(ids)
-            self._mark_released(name, table, num_computed)
+            self._mark_released(seq, name, num_computed)
             seq.num_sealed_blocks = max(seq.num_sealed_blocks,
                                         num_computed // self._geometry_of(name).block_size)
         seq.num_tokens += len(data) // 4
@@ -891,21 +900,39 @@ class Client:
     def commit_model_sequence(self, seq: ModelSequence, num_computed: int | None = None
                               ) -> dict[str, int]:
         """Seal the full blocks below `num_computed` (default all) in every pool."""
+        self._check_writer("commit_model_sequence")
         self._check_live(seq)
         num_computed = (seq.num_tokens if num_computed is None
                         else _int(num_computed, "num_computed"))
         sealed = self._call(f"seq_commit@{seq.model}", {"seq_id": seq.seq_id,
                                                         "num_computed": num_computed})
         for name, table in seq.block_ids.items():
-            self._mark_released(name, table, num_computed)
+            self._mark_released(seq, name, num_computed)
         seq.num_sealed_blocks += min(sealed.values())
         return sealed
 
-    def _mark_released(self, pool: str, table: list[int], num_computed: int) -> None:
+    def _mark_released(self, seq: ModelSequence, pool: str, num_computed: int) -> None:
+        """Mark -1 what the daemon released: the blocks before the window of `num_computed`,
+        but for those shared with a fork."""
         window = self._geometry_of(pool).window
         if window is not None:
-            end = num_outside_window(num_computed, window, self._geometry_of(pool).block_size)
-            table[:end] = [-1] * min(end, len(table))
+            table = seq.block_ids[pool]
+            start = seq.num_shared_blocks.get(pool, 0)
+            end = min(num_outside_window(num_computed, window, self._geometry_of(pool).block_size),
+                      len(table))
+            table[start:end] = [-1] * max(end - start, 0)
+
+    def fork_model_sequence(self, seq: ModelSequence) -> ModelSequence:
+        """A new sequence of the same model sharing `seq`'s sealed blocks in every pool; its
+        unsealed blocks are copies (one round trip, all pools or none)."""
+        self._check_writer("fork_model_sequence")
+        self._check_live(seq)
+        reply = self._call(f"seq_fork@{seq.model}", {"seq_id": seq.seq_id})
+        child = self._model_sequence(reply, seq.model, seq.num_cached_tokens)
+        # Both now share the parent's sealed blocks (the child has no sealed block of its own).
+        seq.num_shared_blocks = child.num_shared_blocks = {
+            name: each["num_sealed_blocks"] for name, each in reply["pools"].items()}
+        return child
 
     def close_model_sequence(self, seq: ModelSequence) -> None:
         """Release the sequence's blocks in every pool (sealed ones stay cached)."""

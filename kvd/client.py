@@ -83,7 +83,8 @@ RETRIED_OPS = frozenset({"stats", "lookup", "alloc", "seq_open"})
 # These only drop pins, which the restart dropped already: they succeed.
 SATISFIED_BY_RESTART = frozenset({"release", "seq_close"})
 # Everything else names blocks or sequences of the lost session (seal, pin, seq_extend,
-# seq_commit, seq_fork, shutdown) and raises DisconnectedError after reconnecting.
+# seq_commit, seq_fork, shutdown) and raises DisconnectedError after reconnecting. An op
+# addressed to a pool or a model (OP@NAME) follows its OP's rule.
 _live_clients: weakref.WeakSet[Client] = weakref.WeakSet()
 
 
@@ -348,9 +349,10 @@ class Client:
                 "nothing cached survived, and views and `pool` taken before show the old, "
                 "unlinked memory (writes there reach nobody): take them again; the client is "
                 "reconnected")
-        if op in SATISFIED_BY_RESTART:
+        kind = op.partition("@")[0]  # (OP@POOL and OP@MODEL follow OP's rule)
+        if kind in SATISFIED_BY_RESTART:
             return True
-        if op not in RETRIED_OPS:
+        if kind not in RETRIED_OPS:
             raise DisconnectedError(
                 f"the kvd daemon restarted {when} {op!r}: this session's pins, unsealed blocks "
                 "and sequences are gone (sealed blocks survive a --recover restart: look them "

@@ -104,7 +104,8 @@ class Sequence:
 
     `num_cached_tokens` tokens at the start were found in the cache when it was opened: their KV
     is already in the blocks, so prefill starts there. `num_remote_tokens` of them came from the
-    daemon's remote tier (`kvd start --remote`) for this open.
+    daemon's remote tier (`kvd start --remote`) for this open. On a sliding-window pool the table
+    holds -1 where the daemon released a block outside the window (as a ModelSequence's does).
     """
 
     seq_id: int
@@ -116,6 +117,8 @@ class Sequence:
     is_closed: bool = field(default=False, repr=False)
     epoch: int = field(default=0, repr=False)  # the client's num_reconnects when opened
     pool: str | None = None  # the pool it was opened on (None: the session's)
+    # leading blocks shared with a fork (a window pool keeps them while any sharer lives)
+    num_shared_blocks: int = field(default=0, repr=False)
 
 
 @dataclass
@@ -826,6 +829,7 @@ class Client:
                       ).block_size
         seq.num_sealed_blocks = max(seq.num_sealed_blocks, num_computed // block_size)
         seq.block_ids.extend(new_ids)
+        self._mark_released(seq.block_ids, seq.num_shared_blocks, seq.pool, num_computed)
         seq.num_tokens += len(data) // 4
         return new_ids
 
@@ -838,6 +842,7 @@ class Client:
         num_sealed = self._call(_op("seq_commit", seq.pool), {"seq_id": seq.seq_id,
                                                               "num_computed": num_computed})
         seq.num_sealed_blocks += num_sealed
+        self._mark_released(seq.block_ids, seq.num_shared_blocks, seq.pool, num_computed)
         return num_sealed
 
     def fork_sequence(self, seq: Sequence) -> Sequence:
@@ -845,9 +850,12 @@ class Client:
         self._check_writer("fork_sequence")
         self._check_live(seq)
         reply = self._call(_op("seq_fork", seq.pool), {"seq_id": seq.seq_id})
+        # Both now share the parent's sealed blocks (the child has no sealed block of its own).
+        seq.num_shared_blocks = reply["num_sealed_blocks"]
         return Sequence(reply["seq_id"], reply["block_ids"], reply["num_tokens"],
                         seq.num_cached_tokens, reply["num_sealed_blocks"],
-                        epoch=self.num_reconnects, pool=seq.pool)
+                        epoch=self.num_reconnects, pool=seq.pool,
+                        num_shared_blocks=reply["num_sealed_blocks"])
 
     def close_sequence(self, seq: Sequence) -> None:
         """Release the sequence's blocks (sealed ones stay cached for others)."""
@@ -893,7 +901,7 @@ class Client:
         for name, ids in new_ids.items():
             table = seq.block_ids[name]
             table.extend(ids)
-            self._mark_released(seq, name, num_computed)
+            self._mark_released(table, seq.num_shared_blocks.get(name, 0), name, num_computed)
             seq.num_sealed_blocks = max(seq.num_sealed_blocks,
                                         num_computed // self._geometry_of(name).block_size)
         seq.num_tokens += len(data) // 4
@@ -909,20 +917,20 @@ class Client:
         sealed = self._call(f"seq_commit@{seq.model}", {"seq_id": seq.seq_id,
                                                         "num_computed": num_computed})
         for name, table in seq.block_ids.items():
-            self._mark_released(seq, name, num_computed)
+            self._mark_released(table, seq.num_shared_blocks.get(name, 0), name, num_computed)
         seq.num_sealed_blocks += min(sealed.values())
         return sealed
 
-    def _mark_released(self, seq: ModelSequence, pool: str, num_computed: int) -> None:
-        """Mark -1 what the daemon released: the blocks before the window of `num_computed`,
-        but for those shared with a fork."""
-        window = self._geometry_of(pool).window
-        if window is not None:
-            table = seq.block_ids[pool]
-            start = seq.num_shared_blocks.get(pool, 0)
-            end = min(num_outside_window(num_computed, window, self._geometry_of(pool).block_size),
+    def _mark_released(self, table: list[int], num_shared: int, pool: str | None,
+                       num_computed: int) -> None:
+        """Mark -1 in a block table of `pool` (None: the session's) what a window pool released:
+        the blocks before the window of `num_computed`, but for the `num_shared` first (shared
+        with a fork)."""
+        geometry = self.geometry if pool is None else self._geometry_of(pool)
+        if geometry.window is not None:
+            end = min(num_outside_window(num_computed, geometry.window, geometry.block_size),
                       len(table))
-            table[start:end] = [-1] * max(end - start, 0)
+            table[num_shared:end] = [-1] * max(end - num_shared, 0)
 
     def fork_model_sequence(self, seq: ModelSequence) -> ModelSequence:
         """A new sequence of the same model sharing `seq`'s sealed blocks in every pool; its

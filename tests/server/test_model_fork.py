@@ -244,3 +244,21 @@ def test_model_fork_errors_are_typed_and_change_nothing(daemon_factory, monkeypa
     with kvd.connect(daemon.paths.socket_path, read_only=True) as reader:
         with pytest.raises(DeniedError, match="read-only"):
             reader.open_model_sequence("hybrid", PROMPT)
+
+
+def test_a_plain_sequence_on_the_window_pool_keeps_its_table_as_the_daemon_does(model_daemon):
+    """`open_sequence(..., pool=WINDOW)`: decode marks -1 what the daemon released (the client
+    did not, and so kept ids of blocks others reuse), forks included."""
+    with model_daemon.connect() as client:
+        seq = client.open_sequence(PROMPT, pool="sliding")
+        client.commit_sequence(seq)
+        child = client.fork_sequence(seq)
+        for step in range(40):
+            for each in (seq, child):
+                client.extend_sequence(each, [step])
+                assert _daemon_table(client, each, "sliding") == each.block_ids, step
+        assert seq.block_ids[0] == -1 and seq.block_ids[1:3] == child.block_ids[1:3]
+        assert sum(b != -1 for b in seq.block_ids[3:]) <= BOUND
+        client.close_sequence(child)
+        client.close_sequence(seq)
+        assert _pinned(client) == {"full": 0, "sliding": 0}

@@ -232,6 +232,10 @@ def test_a_padded_batch_reuses_prefixes_per_row_and_matches_dynamic_cache(models
             assert max(totals[1:]) <= len(BATCH) * bound, (dtype, totals)
             pools = client.stats()["pools"]
             assert pools[window_pool]["owned"] == pools[f"full-{dtype}"]["owned"] == 0, dtype
+            # Row 0 had 22 pads: its own tokens were hashed, so alone it finds its blocks
+            alone = _generate(model, client, BATCH[0], dtype)
+            assert alone.num_cached_tokens == 24, dtype
+            assert alone.output.sequences[0].tolist() == _reference(model, BATCH[0])[0], dtype
 
 
 def test_num_return_sequences_repeats_rows_and_beam_search_is_refused(models, gemma_daemon):

@@ -49,7 +49,6 @@ distance, so the window is per row and the columns are every row's); each row te
 its tokens whenever a window block falls wholly before the window of the row's token computed
 next (a round trip a block), and the window pool releases it, so in decode each row holds at
 most ceil(W / B) + 1 window blocks::
-window pool releases it, so decode holds at most ceil(W / B) + 1 window blocks::
 
     KvdCache(client, model, ids)     open_sequence(row's real tokens) per row: one round trip
                                      hashes the row's full blocks, pins its longest cached prefix

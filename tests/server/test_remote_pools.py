@@ -174,3 +174,12 @@ def test_bad_remote_combinations_are_typed_errors(tmp_path):
     with pytest.raises(BadArgsError, match="pool 'default': its .* blocks do not fit a Redis "
                                            "value"):
         DaemonConfig(DaemonPaths.for_name("remote-huge"), huge, remote="redis://127.0.0.1:1")
+
+
+def test_without_a_tier_lookup_replies_stay_plain(kvd_daemon):
+    with kvd_daemon.connect() as client:
+        assert client.info["remote"] is False
+        found = client.lookup([b"k" * 16])
+        assert found == [] and found.num_remote == 0
+        with pytest.raises(BadArgsError, match=r"unknown arguments \['remote'\]"):
+            client._call("lookup", {"hashes": [b"k" * 16], "remote": 1})

@@ -133,7 +133,7 @@ class Server:
         self._next_journal_retry = 0.0
         # --remote: the tiers, the ops they may defer, and the deferred requests' read-throughs.
         self._remote = started.remote
-        self._deferrable = frozenset() if self._remote is None else remote.Tiers.deferrable_ops(
+        self._deferrable = frozenset() if self._remote is None else self._remote.bind(
             self.service.served, self.service.models)
         self._deferred: deque[remote.ReadThrough] = deque()
         try:
@@ -388,9 +388,7 @@ class Server:
         service, tiers = self.service, self._remote
         if tiers is None or service.write_error is not None:  # (imports are seals: refused)
             return False
-        pools = service.read_through_target(connection.session, op)
-        read = None if pools is None else tiers.read(op.partition("@")[0], pools, args,
-                                                     service.open_hashes)
+        read = tiers.read(connection.session.served, op, args, service.open_hashes)
         if read is None:
             return False
         read.context = (connection, request_id, op, args)

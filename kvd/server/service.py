@@ -219,18 +219,6 @@ class Service:
                     "num_remote": len(imported.intersection(block_ids)) if imported else 0}
         return (*schema, int_field("remote", 1, 1, is_required=False)), False, reporting_lookup
 
-    def read_through_target(self, session: Session, op: str) -> list[Served] | None:
-        """The pools a lookup or seq_open addresses (the remote tier's probe): the session's,
-        OP@POOL's, or seq_open@MODEL's; None for a name nothing serves (the op answers it)."""
-        name, at, target = op.partition("@")
-        if not at:
-            return [session.served]
-        model = self.models.get(target) if name == "seq_open" else None
-        if model is not None:
-            return model
-        served = self.served.get(target)
-        return None if served is None else [served]
-
     def add_model(self, name: str, pool_names: list[str]) -> None:
         """Serve a model over pools already added (kvd/server/config.py checked the names and
         that they share one block size)."""

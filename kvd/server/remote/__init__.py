@@ -39,7 +39,6 @@ imported.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +60,9 @@ IMPORT_OWNER = -1
 # Counted per tier but meaning one figure each (summed, a daemon's figure would be wrong).
 SHARED_STATS = ("url", "timeout_ms", "last_error")
 STATE_ORDER = ("down", "stalled", "connecting", "up")  # the daemon's state: its worst pool's
+# What a request reads through: lookup or seq_open (the hit rule), its pools (Served), their
+# windows (ReadThrough.windows)
+Target = tuple[str, list[Any], list[int | None]]
 
 
 class SealTap:
@@ -206,6 +208,9 @@ class Tiers:
 
     def __init__(self, tiers: dict[str, RemoteTier]) -> None:
         self.tiers = tiers  # pool name → its tier
+        # a session's pool (Served) → the targets of its requests by op name: plain for its
+        # own pool, OP@NAME for any (`bind`)
+        self._targets: dict[Any, dict[str, Target]] = {}
 
     def close(self) -> None:
         for tier in self.tiers.values():
@@ -216,36 +221,52 @@ class Tiers:
         """Readable when a fetch finished: the loop then calls `take_done`."""
         return [tier.done_fd for tier in self.tiers.values()]
 
-    @staticmethod
-    def deferrable_ops(pools: Iterable[str], models: Iterable[str]) -> frozenset[str]:
-        """The op names a read-through may defer."""
-        pools, models = list(pools), list(models)
-        return frozenset({"lookup", "seq_open", *(f"lookup@{name}" for name in pools),
-                          *(f"seq_open@{name}" for name in [*pools, *models])})
+    def bind(self, pools: dict[str, Any], models: dict[str, list[Any]]) -> frozenset[str]:
+        """Learn the service's pools (name → kvd.server.service.Served) and models (name → its
+        pools); returns the op names a read-through may defer."""
+        plain: dict[Any, dict[str, Target]] = {}
+        named: dict[str, Target] = {}
+        for name, served in pools.items():
+            plain[served] = {"lookup": ("lookup", [served], [None]),
+                             "seq_open": ("seq_open", [served], [served.page_table.window_blocks])}
+            named.update({f"{op}@{name}": target for op, target in plain[served].items()})
+        for name, model in models.items():
+            named[f"seq_open@{name}"] = (
+                "seq_open", model, [served.page_table.window_blocks for served in model])
+        self._targets = {served: {**targets, **named} for served, targets in plain.items()}
+        return frozenset({"lookup", "seq_open", *named})
 
-    def read(self, op: str, pools: list[Any], args: Any, open_hashes: Any) -> ReadThrough | None:
-        """Start the read-through of a request (`op` lookup or seq_open, over `pools`), or None
-        if its pools hold all it could hit, its args are malformed (the op then answers them),
-        or no tier takes a fetch.
+    def read(self, session_pool: Any, op: str, args: Any, open_hashes: Any
+             ) -> ReadThrough | None:
+        """Start the read-through of a request (a lookup or seq_open of the session's pool
+        `session_pool`, a Served, or of the pool or model it names), or None if its pools hold
+        all it could hit, its args are malformed (the op then answers them), or no tier takes
+        a fetch.
 
         Args:
             open_hashes: the hashes a seq_open of `args` looks up (Service.open_hashes).
         """
-        if op == "lookup":
+        target = self._targets[session_pool].get(op)
+        if target is None:  # (a name nothing serves: the op answers it)
+            return None
+        kind, pools, windows = target
+        if kind == "lookup":
             keys = args.get("hashes") if type(args) is dict else None
-            windows: list[int | None] = [None]
+            if type(keys) is not list or not keys:
+                return None
+            last = keys[-1]  # the usual hit, all local as far as a prefix can tell (cached
+            if type(last) is bytes and last in pools[0].pool.tables.index:  # children have
+                return None  # cached parents): one probe
+            if not all(type(key) is bytes and 0 < len(key) <= MAX_HASH_NBYTES for key in keys):
+                return None  # (the lookup answers BAD_ARGS)
         else:
             try:
                 keys = open_hashes(args, pools[0])
             except KvdError:  # malformed: seq_open answers with the right error
                 return None
-            windows = [served.page_table.window_blocks for served in pools]
-        if (type(keys) is not list or not keys  # (the usual hit: one probe, below)
-                or all(_holds_end(served.pool, keys, window)
-                       for served, window in zip(pools, windows))
-                or not all(type(key) is bytes and 0 < len(key) <= MAX_HASH_NBYTES
-                           for key in keys)):  # (a bad lookup answers BAD_ARGS)
-            return None
+            if not keys or all(_holds_end(served.pool, keys, window)
+                               for served, window in zip(pools, windows)):
+                return None
         presents = [[key in served.pool.tables.index for key in keys] for served in pools]
         num_hit = longest_hit([servable_of(present, window)
                                for present, window in zip(presents, windows)])
@@ -294,8 +315,8 @@ class Tiers:
 
 def _holds_end(pool: BlockPool, keys: list[bytes], window: int | None) -> bool:
     """Whether the pool holds what a hit of all `keys` needs, as far as the end of them tells:
-    the last key (cached children have cached parents), or a window pool's last window."""
+    the last key, or a window pool's last window."""
     index = pool.tables.index
     if window is None:
-        return type(keys[-1]) is bytes and keys[-1] in index
+        return keys[-1] in index
     return all(key in index for key in keys[len(keys) - window:])

@@ -5,6 +5,7 @@ keys, read through on lookup@POOL and on a model's seq_open under the hybrid pre
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from kvd.runtime import DaemonPaths
 from kvd.server.config import read_config
 from kvd.server.startup import DaemonConfig
 from redis_servers import redis_server  # noqa: F401 (a fixture)
+from test_cli import kvd_cli
 from test_metrics import scrape
 from test_remote import BLOCK, block_bytes, prompt, redis_empty, wait_for  # noqa: F401
 
@@ -57,15 +59,20 @@ def pool_remote(client, pool: str) -> dict:
     return client.stats()["pools"][pool]["remote"]
 
 
+def flags_host(daemon_factory, url: str, **options):
+    """A host of the same pools and model as `toml_config`'s, from the flags."""
+    return daemon_factory(["--pool", f"full:{SHAPE}", "--pool",
+                           f"sliding:{SHAPE},window={WINDOW}", "--pool", f"draft:{DRAFT}",
+                           "--model", "hybrid:full,sliding"], memory=MEMORY, remote=url,
+                          remote_timeout_ms=2000, **options)
+
+
 def test_two_hosts_share_each_pool_and_a_model_under_the_hybrid_rule(daemon_factory, tmp_path,
                                                                       redis_empty):
     # host A from a TOML file with [remote], host B from the flags: the same pools
     config = toml_config(tmp_path, f'[remote]\nurl = "{redis_empty.url}"\ntimeout_ms = 2000\n')
     host_a = daemon_factory(config=str(config))
-    host_b = daemon_factory(["--pool", f"full:{SHAPE}", "--pool",
-                             f"sliding:{SHAPE},window={WINDOW}", "--pool", f"draft:{DRAFT}",
-                             "--model", "hybrid:full,sliding"], memory=MEMORY,
-                            remote=redis_empty.url, remote_timeout_ms=2000, metrics_port=0)
+    host_b = flags_host(daemon_factory, redis_empty.url, metrics_port=0)
     with host_a.connect() as a, host_b.connect() as b:
         assert a.stats()["remote"]["timeout_ms"] == 2000
         # A prefills a model sequence of 6 blocks (distinct bytes per pool and block) and a raw
@@ -129,6 +136,24 @@ def test_two_hosts_share_each_pool_and_a_model_under_the_hybrid_rule(daemon_fact
         for pool, hits in (("full", 6), ("sliding", 3), ("draft", 4)):
             assert metrics[("kvd_remote_hit_blocks_total", (("pool", pool),))] == hits
             assert metrics[("kvd_remote_up", (("pool", pool),))] == 1
+        text = kvd_cli("stats", "--name", host_b.name).stdout
+        assert re.search(r"remote hit blocks \(of prefix hits\) +13 of", text), text
+
+        # a gap in the window pool's blocks bounds the hit: without block 4 of the sliding pool
+        # in the tier, host C's hit is 4 blocks (full 0-3, the window's 1-3), imported alone
+        sliding = pool_remote(a, "sliding")["key_prefix"] + hash_blocks(tokens, BLOCK)[4].hex()
+        assert redis_empty.cli("DEL", sliding) == "1"
+        host_c = flags_host(daemon_factory, redis_empty.url)
+        with host_c.connect() as c:
+            opened = c.open_model_sequence("hybrid", tokens + [5])
+            assert (opened.num_cached_tokens, opened.num_remote_tokens) == (4 * BLOCK,
+                                                                            4 * BLOCK)
+            for pool, table in opened.block_ids.items():
+                for index, block_id in enumerate(table[:4]):
+                    assert block_id == -1 or holds(c, pool, block_id, index), (pool, index)
+            c.close_model_sequence(opened)
+            assert [pool_remote(c, p)["hit_blocks"] for p in ("full", "sliding")] == [4, 3]
+            assert not c.stats()["errors"]
         assert not a.stats()["errors"] and not b.stats()["errors"]
 
 

@@ -399,11 +399,14 @@ def _remote_rows(stats: dict[str, Any]) -> list[tuple[str, Any]]:
     remote = stats.get("remote")
     if remote is None:
         return []
-    hit_blocks = remote["hit_blocks"]
+    pools = stats.get("pools") or {"default": stats}
+    each_pool = [(f"pool {name}: remote hit blocks", _hits_of(each["remote"], each))
+                 for name, each in pools.items() if len(pools) > 1 and "remote" in each]
     return [
         ("remote tier", _remote_summary(remote)),
-        ("remote hit blocks (of prefix hits)", f"{hit_blocks} of {stats['hit_blocks']} "
-                                               f"(local {stats['hit_blocks'] - hit_blocks})"),
+        ("remote hit blocks (of prefix hits)", _hits_of(remote, {"hit_blocks": sum(
+            each["hit_blocks"] for each in pools.values())})),
+        *each_pool,
         ("remote fetches / declined / timeouts",
          f"{remote['fetches']} / {remote['declined']} / {remote['timeouts']}"),
         ("remote blocks fetched / missed / corrupt",
@@ -415,6 +418,11 @@ def _remote_rows(stats: dict[str, Any]) -> list[tuple[str, Any]]:
         ("remote errors (fetch / write blocks)",
          f"{remote['fetch_errors']} / {remote['write_errors']}"),
     ]
+
+
+def _hits_of(remote: dict[str, Any], pool: dict[str, Any]) -> str:
+    hit_blocks = remote["hit_blocks"]
+    return f"{hit_blocks} of {pool['hit_blocks']} (local {pool['hit_blocks'] - hit_blocks})"
 
 
 def _block_rows(stats: dict[str, Any], prefix: str) -> list[tuple[str, Any]]:

@@ -137,7 +137,8 @@ def test_two_hosts_share_each_pool_and_a_model_under_the_hybrid_rule(daemon_fact
             assert metrics[("kvd_remote_hit_blocks_total", (("pool", pool),))] == hits
             assert metrics[("kvd_remote_up", (("pool", pool),))] == 1
         text = kvd_cli("stats", "--name", host_b.name).stdout
-        assert re.search(r"remote hit blocks \(of prefix hits\) +13 of", text), text
+        assert re.search(r"remote hit blocks \(of prefix hits\) +13 of \d+ ", text), text
+        assert re.search(r"pool sliding: remote hit blocks +3 of 6 \(local 3\)", text), text
 
         # a gap in the window pool's blocks bounds the hit: without block 4 of the sliding pool
         # in the tier, host C's hit is 4 blocks (full 0-3, the window's 1-3), imported alone

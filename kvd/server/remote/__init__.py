@@ -46,7 +46,7 @@ import numpy as np
 
 from kvd.core.page_table import longest_hit, servable_of
 from kvd.core.pool import BlockPool
-from kvd.errors import KvdError
+from kvd.errors import InternalError, KvdError
 from kvd.server.remote.codec import MAX_HASH_NBYTES, BlockCodec, Blocks, RemoteURL, parse_url
 from kvd.server.remote.tier import DEFAULT_TIMEOUT_MS, FetchJob, RemoteTier, require_redis
 
@@ -92,6 +92,8 @@ class SlabBlocks:
     def __init__(self, slabs: np.ndarray, blocks_per_slab: int) -> None:
         """`slabs`: Segment.slabs_of(pool)."""
         self._rows = slabs.reshape(*slabs.shape[:2], -1).view(np.uint8)
+        if not np.may_share_memory(self._rows, slabs):  # (blocks are C-ordered: never)
+            raise InternalError("a pool's slabs cannot be viewed as rows of bytes")
         self._blocks_per_slab = blocks_per_slab
 
     def __getitem__(self, block_id: int) -> np.ndarray:

@@ -119,9 +119,9 @@ class Sequence:
 
 
 class BlockIds(list[int]):
-    """A lookup's block ids (a list), and `num_remote`: how many of them, the last ones, the
-    daemon's remote tier (`kvd start --remote`) fetched for this lookup; the others were
-    cached locally."""
+    """A lookup's block ids (a list), and `num_remote`: how many of them the daemon's remote
+    tier (`kvd start --remote`) fetched for this lookup (after the local prefix); the others
+    were cached locally."""
 
     def __init__(self, block_ids: Iterable[int] = (), num_remote: int = 0) -> None:
         super().__init__(block_ids)

@@ -33,6 +33,11 @@ segment (every layer's K and V, kvd/geometry.py)::
     32      K   the block hash
     32+K        payload
 
+The write-behind sends a batch as one `MSET key value key value ...` (kvd/server/remote/tier.py),
+packed by `BlockCodec.pack_mset`: the RESP bytes of the command, values built as above. Its fast
+twin is kvd/server/remote/_codec.c, which packs a batch with the GIL released (it writes the
+header from `BlockCodec.head`, a template with the hash length and CRC left 0).
+
 A value is served only if every field matches what the reader expects for the key it asked
 (magic, both versions, geometry, hash, length, CRC): anything else is a miss, and the tier
 deletes it. CRC-32 catches torn or truncated writes and bit rot, not an adversary: the tier is
@@ -50,6 +55,7 @@ from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
+from kvd import native
 from kvd.errors import BadArgsError
 from kvd.geometry import Geometry
 from kvd.hashing import HASH_VERSION
@@ -60,6 +66,8 @@ HEADER = struct.Struct("<4sBBBB8sQII")  # (the two reserved fields are 0: checke
 MAX_HASH_NBYTES = 64
 SCHEMES = ("redis", "redis-cluster")
 DEFAULT_PORT = 6379
+_built_codec = native.built("codec")  # (twin tests call it directly)
+_codec = native.load("codec")
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,8 @@ class BlockCodec:
         self.geometry_digest = geometry_digest(geometry)
         self.block_nbytes = geometry.block_nbytes
         self.prefix = f"kvd:{pool_name}:h{HASH_VERSION}:g{self.geometry_digest.hex()}:"
+        self.head = HEADER.pack(MAGIC, FORMAT_VERSION, HASH_VERSION, 0, 0, self.geometry_digest,
+                                self.block_nbytes, 0, 0)
 
     def key(self, block_hash: bytes) -> str:
         return self.prefix + block_hash.hex()
@@ -144,6 +154,30 @@ class BlockCodec:
                          self.geometry_digest, self.block_nbytes, zlib.crc32(payload), 0)
         value[HEADER.size:head_nbytes] = block_hash
         return value
+
+    def pack_mset(self, blocks: np.ndarray, generations: np.ndarray,
+                  rows: list[tuple[int, bytes, int]]) -> tuple[bytes, int, int]:
+        """(command, start, num_values): `command[start:]` is the RESP bytes of one MSET of the
+        values of the rows' (block id, hash, generation) blocks that still have their
+        generation, read before and after each copy (kvd/server/remote/tier.py); num_values
+        those kept. `blocks`: uint8 [num_blocks, block_nbytes]; `generations`: uint64."""
+        if _codec is not None:
+            result: tuple[bytes, int, int] = _codec.pack_mset(
+                blocks, generations, rows, self.prefix.encode(), self.head)
+            return result
+        parts = []
+        for block_id, block_hash, generation in rows:
+            if not 0 <= block_id < len(blocks):
+                raise ValueError("pack_mset: block id out of range")
+            if int(generations[block_id]) != generation:
+                continue
+            value = self.encode(block_hash, blocks[block_id])
+            if int(generations[block_id]) != generation:
+                continue
+            key = self.key(block_hash).encode()
+            parts += [b"$%d\r\n" % len(key), key, b"\r\n$%d\r\n" % len(value), value, b"\r\n"]
+        num_values = len(parts) // 5
+        return b"".join([b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * num_values), *parts]), 0, num_values
 
     def payload(self, block_hash: bytes, value: bytes) -> memoryview | None:
         """The block bytes of `value`, or None if any check fails (module docstring)."""

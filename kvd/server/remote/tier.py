@@ -16,11 +16,21 @@ deque (appends and pops are atomic under the GIL) plus a wake-up:
              loop's selector watches (kvd/server/loop.py); the loop imports what arrived.
 
 Write-behind thread: pops up to WRITE_BATCH blocks, copies each block's bytes out of the shared
-segment, and sends them as one pipeline of SETs. A sealed block is immutable, but once released
-it can be evicted and its block reused (for other bytes) at any moment; eviction bumps the
-block's generation (kvd/core/pool.py, invariant 5) before the block can be handed out again, so
-the generation is read before and after the copy and the write is dropped (`stale`) if it
-changed: a copy between two equal readings is a copy of the sealed bytes.
+segment, and sends them as one command. A sealed block is immutable, but once released it can
+be evicted and its block reused (for other bytes) at any moment; eviction bumps the block's
+generation (kvd/core/pool.py, invariant 5) before the block can be handed out again, so the
+generation is read before and after the copy and the write is dropped (`stale`) if it changed: a
+copy between two equal readings is a copy of the sealed bytes.
+
+The thread shares the daemon's GIL with the loop, and whatever Python it runs is time the loop
+may wait for the GIL (up to the switch interval, 5 ms, for a long stretch): a lookup's p99 pays
+for it. So on one server a batch is one `MSET`, packed by kvd/server/remote/_codec.c in one call
+that reads the rows with the GIL and then copies, checksums and checks generations with the GIL
+released, straight into the bytes that go on the wire (codec.py's `pack_mset` is its Python
+twin), sent with one `sendall` (which releases the GIL) and answered by one `+OK`: a batch of 32
+costs the GIL a few tens of us instead of 15 us per block through redis-py's pipeline
+(`python -m bench.remote`, docs/remote.md). A cluster's blocks go as a pipeline of SETs, which
+redis-py routes key by key (an MSET must stay in one slot).
 
 Fetch thread: MGETs of the job's keys, then checks of the values head first
 (kvd/server/remote/codec.py), keeping the consecutive ones that pass: a prefix is useful only up
@@ -65,9 +75,9 @@ DEFAULT_TIMEOUT_MS = 100
 MAX_QUEUED_WRITES = 8192  # blocks waiting to be written (metadata only: ~100 bytes each)
 WRITE_BATCH = 32  # blocks per pipeline: 2 MiB at 64 KiB blocks
 WRITE_GATHER_S = 0.005  # a write waits this long for others to share its pipeline
-# Values this large go to redis-py as memoryviews, which it sends as they are; it would copy a
-# bytearray twice (to bytes, then into hiredis' packed command), holding the GIL the loop needs.
-# (Below it, hiredis' packing of a copy costs less than redis-py's Python packer.)
+# A cluster's values this large go to redis-py as memoryviews, which it sends as they are; it
+# would copy a bytearray twice (to bytes, then into hiredis' packed command), holding the GIL the
+# loop needs. (Below it, hiredis' packing of a copy costs less than redis-py's Python packer.)
 ZERO_COPY_NBYTES = 1 << 16
 MAX_FETCH_BLOCKS = 1024  # blocks one lookup fetches at most
 FETCH_CHUNK = 32  # keys per MGET of a fetch from one server (2 MiB of 64 KiB blocks)
@@ -284,22 +294,28 @@ class RemoteTier:
                 rows.append(writes.popleft())
             except IndexError:  # (the loop dropped it meanwhile)
                 break
-        pipe = client.pipeline(transaction=False)
-        num_values = num_bytes = 0
-        for block_id, block_hash, generation in rows:
-            value = self._value(block_id, block_hash, generation)
-            if value is None:
-                self.counters["stale"] += 1
-                continue
-            pipe.execute_command("SET", self.codec.key(block_hash),
-                                 memoryview(value) if len(value) >= ZERO_COPY_NBYTES else value)
-            num_values += 1
-            num_bytes += len(value)
+        blocks, generations = self.blocks, self._generations
+        if blocks is None or generations is None:
+            return
+        if self.url.is_cluster:
+            values = self._values(rows, blocks, generations)
+            num_values, num_bytes = len(values), sum(len(value) for _, value in values)
+        else:
+            command, start, num_values = self.codec.pack_mset(blocks, generations, rows)
+            num_bytes = len(command) - start
+        self.counters["stale"] += len(rows) - num_values
         if not num_values:
             return
         self._write_started = time.monotonic()
         try:
-            pipe.execute()
+            if self.url.is_cluster:
+                pipe = client.pipeline(transaction=False)
+                for name, value in values:
+                    pipe.execute_command(
+                        "SET", name, memoryview(value) if len(value) >= ZERO_COPY_NBYTES else value)
+                pipe.execute()
+            else:
+                _send_packed(client, memoryview(command)[start:])
         except Exception as exc:
             self.counters["write_errors"] += num_values
             self._failed("write", exc)
@@ -310,16 +326,18 @@ class RemoteTier:
         self.counters["written_bytes"] += num_bytes
         self._succeeded()
 
-    def _value(self, block_id: int, block_hash: bytes, generation: int) -> bytearray | None:
-        """The value of a sealed block, or None if the block was evicted (before or during the
-        copy: module docstring)."""
-        generations, blocks = self._generations, self.blocks
-        if generations is None or blocks is None or int(generations[block_id]) != generation:
-            return None
-        value = self.codec.encode(block_hash, blocks[block_id])
-        if int(generations[block_id]) != generation:
-            return None
-        return value
+    def _values(self, rows: list[tuple[int, bytes, int]], blocks: np.ndarray,
+                generations: np.ndarray) -> list[tuple[str, bytearray]]:
+        """(key, value) of the rows' blocks that were not evicted before or during the copy
+        (module docstring): a cluster's SETs, which redis-py routes key by key."""
+        values = []
+        for block_id, block_hash, generation in rows:
+            if int(generations[block_id]) != generation:
+                continue
+            value = self.codec.encode(block_hash, blocks[block_id])
+            if int(generations[block_id]) == generation:
+                values.append((self.codec.key(block_hash), value))
+        return values
 
     # ---- fetch thread -----------------------------------------------------------------------
     def _fetch_loop(self) -> None:
@@ -413,6 +431,23 @@ def require_redis() -> None:
     except ImportError:
         raise BadArgsError("--remote needs redis-py: pip install 'kvd[remote]' "
                            "(redis and hiredis)") from None
+
+
+def _send_packed(client: Any, command: memoryview) -> None:
+    """Send one packed command on a single server's connection and read its reply (an error
+    reply raises, as redis-py's own calls do)."""
+    pool = client.connection_pool
+    connection = pool.get_connection()
+    try:
+        connection.send_packed_command([command], check_health=False)
+        reply = connection.read_response()
+    except BaseException:
+        connection.disconnect()  # (a reply may be left unread)
+        raise
+    finally:
+        pool.release(connection)
+    if isinstance(reply, Exception):
+        raise reply
 
 
 def _close_client(client: Any) -> None:

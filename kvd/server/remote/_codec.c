@@ -1,0 +1,201 @@
+/* kvd.server.remote._codec: the remote tier's per-block work, off the GIL.
+
+Theory of operation
+-------------------
+The write-behind thread turns a batch of sealed blocks into one Redis command, `MSET key value
+key value ...`, packed as the bytes that go on the wire (RESP). In Python (kvd/server/remote/
+codec.py's `BlockCodec.pack_mset`, the specification and this module's twin) each block costs
+about 15 us of interpreted code holding the GIL that the daemon's loop thread needs; here a batch
+costs one call: the Python objects (the rows, their hashes) are read first, with the GIL, into
+memory of this call's own; then, with the GIL released, each block's generation is read, its
+key, header and bytes are written into the command, its CRC-32 is taken of the copy, and the
+generation is read again: a block whose generation differs from its row's (evicted before or
+during the copy) is dropped from the command (counted stale), exactly as the Python does.
+
+The generations live in the shared segment and the loop thread bumps them while this runs (that
+is the point of the check): each is read with an atomic acquire load, and the copy's reads are
+ordered before the second reading by an acquire fence.
+
+The command is written after a reserved head room, and its array header (`*N`, whose width
+depends on how many blocks were kept) right-aligned against the body: the caller sends
+`memoryview(command)[start:]`, with no copy of the body. Only a malformed call raises (TypeError or
+ValueError, a bug of the caller's); the Python twin raises the same.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <zlib.h>
+
+#define MAX_HASH_NBYTES 64
+#define HEADER_NBYTES 32
+#define ROOM 32 /* before the body: "*N\r\n$4\r\nMSET\r\n", N < 2**63 */
+
+typedef struct {
+    int64_t block_id;
+    uint64_t generation;
+    Py_ssize_t hash_nbytes;
+    unsigned char hash[MAX_HASH_NBYTES];
+} Row;
+
+static Py_ssize_t put_bulk_head(char *out, Py_ssize_t nbytes)
+{
+    return sprintf(out, "$%zd\r\n", nbytes);
+}
+
+static int read_rows(PyObject *rows, Row *row_of, Py_ssize_t num_rows, Py_ssize_t num_blocks)
+{
+    for (Py_ssize_t i = 0; i < num_rows; i++) {
+        PyObject *row = PyList_GET_ITEM(rows, i);
+        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 3) {
+            PyErr_SetString(PyExc_TypeError, "pack_mset: a row is (block_id, hash, generation)");
+            return -1;
+        }
+        PyObject *hash = PyTuple_GET_ITEM(row, 1);
+        row_of[i].block_id = PyLong_AsLongLong(PyTuple_GET_ITEM(row, 0));
+        row_of[i].generation = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(row, 2));
+        if (PyErr_Occurred())
+            return -1;
+        if (!PyBytes_Check(hash) || PyBytes_GET_SIZE(hash) < 1 ||
+            PyBytes_GET_SIZE(hash) > MAX_HASH_NBYTES) {
+            PyErr_SetString(PyExc_TypeError, "pack_mset: a hash is bytes of 1 to 64");
+            return -1;
+        }
+        if (row_of[i].block_id < 0 || row_of[i].block_id >= num_blocks) {
+            PyErr_SetString(PyExc_ValueError, "pack_mset: block id out of range");
+            return -1;
+        }
+        row_of[i].hash_nbytes = PyBytes_GET_SIZE(hash);
+        memcpy(row_of[i].hash, PyBytes_AS_STRING(hash), row_of[i].hash_nbytes);
+    }
+    return 0;
+}
+
+/* One block's "$klen key $vlen value" at out (the GIL released); its length, or 0 if stale. */
+static Py_ssize_t put_block(char *out, const Row *row, const char *prefix, Py_ssize_t prefix_nbytes,
+                            const unsigned char *head, const char *blocks, Py_ssize_t block_nbytes,
+                            const uint64_t *generations)
+{
+    static const char hex[] = "0123456789abcdef";
+    const uint64_t *generation = generations + row->block_id;
+    if (__atomic_load_n(generation, __ATOMIC_ACQUIRE) != row->generation)
+        return 0;
+    char *p = out;
+    p += put_bulk_head(p, prefix_nbytes + 2 * row->hash_nbytes);
+    memcpy(p, prefix, prefix_nbytes);
+    p += prefix_nbytes;
+    for (Py_ssize_t i = 0; i < row->hash_nbytes; i++) {
+        *p++ = hex[row->hash[i] >> 4];
+        *p++ = hex[row->hash[i] & 15];
+    }
+    *p++ = '\r';
+    *p++ = '\n';
+    p += put_bulk_head(p, HEADER_NBYTES + row->hash_nbytes + block_nbytes);
+    unsigned char *header = (unsigned char *)p;
+    memcpy(header, head, HEADER_NBYTES);
+    header[6] = (unsigned char)row->hash_nbytes;
+    p += HEADER_NBYTES;
+    memcpy(p, row->hash, row->hash_nbytes);
+    p += row->hash_nbytes;
+    memcpy(p, blocks + row->block_id * block_nbytes, block_nbytes);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (__atomic_load_n(generation, __ATOMIC_ACQUIRE) != row->generation)
+        return 0;
+    uint32_t crc = (uint32_t)crc32(0L, (const Bytef *)p, (uInt)block_nbytes);
+    for (int i = 0; i < 4; i++)
+        header[24 + i] = (unsigned char)(crc >> (8 * i));
+    p += block_nbytes;
+    *p++ = '\r';
+    *p++ = '\n';
+    return p - out;
+}
+
+static PyObject *codec_pack_mset(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "pack_mset(blocks, generations, rows, prefix, head) takes 5 arguments");
+        return NULL;
+    }
+    PyObject *rows = args[2], *prefix_obj = args[3], *head_obj = args[4];
+    if (!PyList_Check(rows) || !PyBytes_Check(prefix_obj) || !PyBytes_Check(head_obj) ||
+        PyBytes_GET_SIZE(head_obj) != HEADER_NBYTES) {
+        PyErr_SetString(PyExc_TypeError,
+                        "pack_mset: rows a list, prefix bytes, head 32 bytes");
+        return NULL;
+    }
+    Py_buffer blocks = {0}, generations = {0};
+    PyObject *command = NULL, *result = NULL;
+    Row *row_of = NULL;
+    if (PyObject_GetBuffer(args[0], &blocks, PyBUF_C_CONTIGUOUS | PyBUF_ND) < 0 ||
+        PyObject_GetBuffer(args[1], &generations, PyBUF_C_CONTIGUOUS) < 0)
+        goto release;
+    if (blocks.ndim != 2 || blocks.itemsize != 1 || generations.itemsize != 8 ||
+        generations.len / 8 != blocks.shape[0] || blocks.shape[1] <= 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "pack_mset: blocks uint8 [num_blocks, block_nbytes], generations uint64");
+        goto release;
+    }
+    Py_ssize_t num_blocks = blocks.shape[0], block_nbytes = blocks.shape[1];
+    Py_ssize_t num_rows = PyList_GET_SIZE(rows), prefix_nbytes = PyBytes_GET_SIZE(prefix_obj);
+    row_of = PyMem_Malloc((num_rows ? num_rows : 1) * sizeof(Row));
+    if (row_of == NULL) {
+        PyErr_NoMemory();
+        goto release;
+    }
+    if (read_rows(rows, row_of, num_rows, num_blocks) < 0)
+        goto release;
+    /* every block kept, each with its two bulk heads ("$N\r\n", N < 2**63) and two CRLFs */
+    Py_ssize_t most = prefix_nbytes + 2 * MAX_HASH_NBYTES + HEADER_NBYTES + MAX_HASH_NBYTES +
+                      block_nbytes + 2 * 24;
+    command = PyBytes_FromStringAndSize(NULL, ROOM + num_rows * most);
+    if (command == NULL)
+        goto release;
+    char *out = PyBytes_AS_STRING(command), *p = out + ROOM;
+    memset(out, 0, ROOM);
+    const char *prefix = PyBytes_AS_STRING(prefix_obj);
+    const unsigned char *head = (const unsigned char *)PyBytes_AS_STRING(head_obj);
+    Py_ssize_t num_values = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < num_rows; i++) {
+        Py_ssize_t nbytes = put_block(p, &row_of[i], prefix, prefix_nbytes, head, blocks.buf,
+                                      block_nbytes, generations.buf);
+        p += nbytes;
+        num_values += nbytes > 0;
+    }
+    Py_END_ALLOW_THREADS
+    char array_head[ROOM];
+    int head_nbytes = snprintf(array_head, ROOM, "*%zd\r\n$4\r\nMSET\r\n", 1 + 2 * num_values);
+    Py_ssize_t start = ROOM - head_nbytes;
+    memcpy(out + start, array_head, head_nbytes);
+    if (_PyBytes_Resize(&command, p - out) < 0)
+        goto release;
+    result = Py_BuildValue("(Onn)", command, start, num_values);
+release:
+    Py_XDECREF(command);
+    PyMem_Free(row_of);
+    if (generations.obj)
+        PyBuffer_Release(&generations);
+    if (blocks.obj)
+        PyBuffer_Release(&blocks);
+    return result;
+}
+
+static PyMethodDef codec_methods[] = {
+    {"pack_mset", (PyCFunction)(void (*)(void))codec_pack_mset, METH_FASTCALL,
+     "pack_mset(blocks, generations, rows, prefix, head) -> (command, start, num_values): the "
+     "RESP bytes of MSET of the rows' (block_id, hash, generation) blocks still of their "
+     "generation, from command[start:]; see kvd/server/remote/codec.py"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef codec_module = {
+    PyModuleDef_HEAD_INIT, "kvd.server.remote._codec",
+    "The remote tier's MSET packing in C; see kvd/server/remote/_codec.c.", -1, codec_methods,
+};
+
+PyMODINIT_FUNC PyInit__codec(void)
+{
+    return PyModule_Create(&codec_module);
+}

@@ -92,6 +92,19 @@ def test_c_refuses_what_python_refuses() -> None:
         with pytest.raises(ValueError):
             pack(codec, blocks, generations, [(GEOMETRY.num_blocks, b"h", 0)])
     with pytest.raises(TypeError):
-        c_pack(codec, blocks, generations, [(0, "not bytes", 0)])
+        c_pack(codec, blocks, generations, [(0, "not bytes", 0)])  # type: ignore[list-item]
+    assert built is not None
     with pytest.raises(ValueError):
         built.pack_mset(blocks, generations[:4], [], b"", codec.head)
+
+
+@needs_codec
+@pytest.mark.parametrize("length", [*range(0, 200), 4095, 4096, 65536, 65536 + 15, 1 << 20])
+def test_c_crc32_is_zlibs(length: int) -> None:
+    """The carry-less multiplication's folds and tails against zlib, on every short length."""
+    import zlib
+
+    assert built is not None
+    data = np.random.default_rng(length).integers(0, 256, length, dtype=np.uint8).tobytes()
+    assert built.crc32(data) == zlib.crc32(data)
+    assert built.crc32(memoryview(data)[1:]) == zlib.crc32(data[1:])

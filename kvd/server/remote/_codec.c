@@ -27,6 +27,9 @@ ValueError, a bug of the caller's); the Python twin raises the same.
 #include <stdio.h>
 #include <string.h>
 #include <zlib.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #define MAX_HASH_NBYTES 64
 #define HEADER_NBYTES 32
@@ -38,6 +41,93 @@ typedef struct {
     Py_ssize_t hash_nbytes;
     unsigned char hash[MAX_HASH_NBYTES];
 } Row;
+
+/* CRC-32 (zlib's: reflected 0x04C11DB7) by carry-less multiplication, four 128-bit lanes folded
+   64 bytes at a time, then reduced (Intel's "Fast CRC Computation for Generic Polynomials Using
+   PCLMULQDQ", as Chromium's zlib does it): 4.6 us per 64 KiB against zlib's 15.3 on the 2-core
+   VM, which is most of a fetch's checking and a write's packing. zlib's crc32 does the rest (the tail
+   under 16 bytes, short buffers, CPUs without PCLMULQDQ); the twin tests compare the two. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HAVE_CLMUL_CRC 1
+__attribute__((target("pclmul,sse4.1")))
+static uint32_t crc32_clmul(const unsigned char *buf, size_t len, uint32_t crc)
+{
+    /* len >= 64, a multiple of 16; crc is the bit-inverted running CRC */
+    const __m128i k1k2 = _mm_set_epi64x(0x01c6e41596, 0x0154442bd4);
+    const __m128i k3k4 = _mm_set_epi64x(0x00ccaa009e, 0x01751997d0);
+    const __m128i k5k0 = _mm_set_epi64x(0, 0x0163cd6124);
+    const __m128i poly = _mm_set_epi64x(0x01f7011641, 0x01db710641);
+    const __m128i mask32 = _mm_setr_epi32(~0, 0, ~0, 0);
+    __m128i x1 = _mm_loadu_si128((const __m128i *)(buf + 0x00));
+    __m128i x2 = _mm_loadu_si128((const __m128i *)(buf + 0x10));
+    __m128i x3 = _mm_loadu_si128((const __m128i *)(buf + 0x20));
+    __m128i x4 = _mm_loadu_si128((const __m128i *)(buf + 0x30));
+    x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128((int)crc));
+    buf += 64;
+    len -= 64;
+    while (len >= 64) {
+        __m128i x5 = _mm_clmulepi64_si128(x1, k1k2, 0x00);
+        __m128i x6 = _mm_clmulepi64_si128(x2, k1k2, 0x00);
+        __m128i x7 = _mm_clmulepi64_si128(x3, k1k2, 0x00);
+        __m128i x8 = _mm_clmulepi64_si128(x4, k1k2, 0x00);
+        x1 = _mm_clmulepi64_si128(x1, k1k2, 0x11);
+        x2 = _mm_clmulepi64_si128(x2, k1k2, 0x11);
+        x3 = _mm_clmulepi64_si128(x3, k1k2, 0x11);
+        x4 = _mm_clmulepi64_si128(x4, k1k2, 0x11);
+        x1 = _mm_xor_si128(_mm_xor_si128(x1, x5), _mm_loadu_si128((const __m128i *)(buf + 0x00)));
+        x2 = _mm_xor_si128(_mm_xor_si128(x2, x6), _mm_loadu_si128((const __m128i *)(buf + 0x10)));
+        x3 = _mm_xor_si128(_mm_xor_si128(x3, x7), _mm_loadu_si128((const __m128i *)(buf + 0x20)));
+        x4 = _mm_xor_si128(_mm_xor_si128(x4, x8), _mm_loadu_si128((const __m128i *)(buf + 0x30)));
+        buf += 64;
+        len -= 64;
+    }
+    __m128i lanes[3] = {x2, x3, x4};
+    for (int i = 0; i < 3; i++) {  /* four lanes folded into one */
+        __m128i x5 = _mm_clmulepi64_si128(x1, k3k4, 0x00);
+        x1 = _mm_clmulepi64_si128(x1, k3k4, 0x11);
+        x1 = _mm_xor_si128(_mm_xor_si128(x1, lanes[i]), x5);
+    }
+    for (; len >= 16; buf += 16, len -= 16) {
+        __m128i x5 = _mm_clmulepi64_si128(x1, k3k4, 0x00);
+        x1 = _mm_clmulepi64_si128(x1, k3k4, 0x11);
+        x1 = _mm_xor_si128(_mm_xor_si128(x1, _mm_loadu_si128((const __m128i *)buf)), x5);
+    }
+    /* 128 bits to 64, then Barrett's reduction to 32 */
+    x2 = _mm_clmulepi64_si128(x1, k3k4, 0x10);
+    x1 = _mm_xor_si128(_mm_srli_si128(x1, 8), x2);
+    x2 = _mm_srli_si128(x1, 4);
+    x1 = _mm_and_si128(x1, mask32);
+    x1 = _mm_xor_si128(_mm_clmulepi64_si128(x1, k5k0, 0x00), x2);
+    x2 = _mm_and_si128(x1, mask32);
+    x2 = _mm_clmulepi64_si128(x2, poly, 0x10);
+    x2 = _mm_and_si128(x2, mask32);
+    x2 = _mm_clmulepi64_si128(x2, poly, 0x00);
+    x1 = _mm_xor_si128(x1, x2);
+    return (uint32_t)_mm_extract_epi32(x1, 1);
+}
+#endif
+
+static int has_clmul;
+
+static uint32_t fast_crc32(const unsigned char *buf, size_t len)
+{
+    uint32_t crc = 0;
+#ifdef HAVE_CLMUL_CRC
+    if (has_clmul && len >= 64) {
+        size_t head = len & ~(size_t)15;
+        crc = ~crc32_clmul(buf, head, ~crc);
+        buf += head;
+        len -= head;
+    }
+#endif
+    while (len > 0) {  /* (zlib takes uInt lengths) */
+        uInt chunk = len > (1u << 30) ? (1u << 30) : (uInt)len;
+        crc = (uint32_t)crc32(crc, buf, chunk);
+        buf += chunk;
+        len -= chunk;
+    }
+    return crc;
+}
 
 static Py_ssize_t put_bulk_head(char *out, Py_ssize_t nbytes)
 {
@@ -102,7 +192,7 @@ static Py_ssize_t put_block(char *out, const Row *row, const char *prefix, Py_ss
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     if (__atomic_load_n(generation, __ATOMIC_ACQUIRE) != row->generation)
         return 0;
-    uint32_t crc = (uint32_t)crc32(0L, (const Bytef *)p, (uInt)block_nbytes);
+    uint32_t crc = fast_crc32((const unsigned char *)p, (size_t)block_nbytes);
     for (int i = 0; i < 4; i++)
         header[24 + i] = (unsigned char)(crc >> (8 * i));
     p += block_nbytes;
@@ -182,7 +272,29 @@ release:
     return result;
 }
 
+/* Buffers this large are checksummed with the GIL released. */
+#define RELEASE_GIL_NBYTES 4096
+
+static PyObject *codec_crc32(PyObject *module, PyObject *data)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(data, &view, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    uint32_t crc;
+    if (view.len >= RELEASE_GIL_NBYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        crc = fast_crc32(view.buf, (size_t)view.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        crc = fast_crc32(view.buf, (size_t)view.len);
+    }
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(crc);
+}
+
 static PyMethodDef codec_methods[] = {
+    {"crc32", (PyCFunction)codec_crc32, METH_O,
+     "crc32(data) -> int: zlib.crc32(data), by carry-less multiplication where the CPU has it"},
     {"pack_mset", (PyCFunction)(void (*)(void))codec_pack_mset, METH_FASTCALL,
      "pack_mset(blocks, generations, rows, prefix, head) -> (command, start, num_values): the "
      "RESP bytes of MSET of the rows' (block_id, hash, generation) blocks still of their "
@@ -197,5 +309,9 @@ static struct PyModuleDef codec_module = {
 
 PyMODINIT_FUNC PyInit__codec(void)
 {
+#ifdef HAVE_CLMUL_CRC
+    __builtin_cpu_init();
+    has_clmul = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+#endif
     return PyModule_Create(&codec_module);
 }

@@ -11,6 +11,8 @@
   kept busy with `DEBUG SLEEP 0.2`). Meanwhile another process seals 4 fresh blocks on each
   daemon every 2 ms, so the tiers' write-behind threads work (or fail, or stall) beside the
   loop they must not slow. Goal: each p99 <= 1.2x the no-tier p99.
+* **Write-behind CPU**: what the write thread spends per block, beside the loop it shares the
+  GIL with: one server's MSET packed in C and in Python, and a pipeline of SETs.
 
     python -m bench.remote [--quick] [--out DIR]
 """
@@ -30,8 +32,8 @@ import multiprocessing
 import numpy as np
 
 import kvd
-from bench.common import (ServerProcess, bench_main, digests, markdown_table, percentiles,
-                          progress, report)
+from bench.common import (ServerProcess, bench_main, digests, geometry_of, markdown_table,
+                          percentiles, progress, report)
 from bench.data_plane import RedisServer, redis_missing
 
 FETCH_GEOMETRY = {"layers": 8, "kv_heads": 2, "head_dim": 64, "block_size": 16,
@@ -238,6 +240,47 @@ def measure_lookups(rounds: int, per_round: int) -> dict[str, Any]:
             "daemons": rows}
 
 
+# ---- the write-behind thread's CPU ------------------------------------------------------------
+WRITE_PATHS = ("MSET packed in C", "MSET packed in Python", "pipeline of SETs")
+
+
+def measure_write_cpu(batches: int) -> dict[str, float]:
+    """The write-behind's CPU per block (this thread's time.thread_time), in this process against
+    a redis-server, for the lookup bench's 512-byte blocks: one server's MSET packed by kvd's C
+    and by its Python twin, and the pipeline of SETs (a cluster's path, and one server's before
+    the MSET), taking turns batch by batch."""
+    from kvd.server.remote import codec as codec_module
+    from kvd.server.remote.codec import BlockCodec, RemoteURL
+    from kvd.server.remote.tier import WRITE_BATCH, RemoteTier
+
+    geometry = geometry_of(1024)
+    codec = BlockCodec("default", geometry)
+    blocks = np.zeros((geometry.num_blocks, geometry.block_nbytes), dtype=np.uint8)
+    generations = np.zeros(geometry.num_blocks, dtype=np.uint64)
+    with TcpRedis() as server:
+        nodes = (("127.0.0.1", server.port),)
+        tiers = {path: RemoteTier(RemoteURL(path == WRITE_PATHS[2], nodes), codec)
+                 for path in WRITE_PATHS}
+        cpu_s = dict.fromkeys(WRITE_PATHS, 0.0)
+        saved = codec_module._codec
+        try:
+            for number in range(batches):
+                for path, tier in tiers.items():
+                    tier.blocks, tier._generations = blocks, generations
+                    tier._writes.extend((i, digest, 0) for i, digest in
+                                        enumerate(digests(number * WRITE_BATCH, WRITE_BATCH)))
+                    codec_module._codec = None if path == WRITE_PATHS[1] else saved
+                    started = time.thread_time()
+                    tier._write_batch(server.client)  # (redis-py runs a cluster's SETs alike)
+                    cpu_s[path] += time.thread_time() - started
+        finally:
+            codec_module._codec = saved
+        if any(tier.counters["written"] != batches * WRITE_BATCH for tier in tiers.values()):
+            raise RuntimeError(f"not every block was written: {[t.counters for t in tiers.values()]}")
+    return {path: round(seconds / (batches * WRITE_BATCH) * 1e6, 2)
+            for path, seconds in cpu_s.items()}
+
+
 # ---- report ----------------------------------------------------------------------------------
 def markdown(results: dict[str, Any]) -> str:
     fetch, lookups = results["fetch"], results["lookups"]
@@ -252,6 +295,10 @@ def markdown(results: dict[str, Any]) -> str:
           round(statistics.median(fetch["kvd_open_ms"]), 2)],
          ["kvd / raw throughput, median of the rounds' ratios (goal >= 0.8)", fetch["ratio"],
           ""]])
+    text += ("\nThe write-behind thread's CPU per 512-byte block (time.thread_time, batches of 32, "
+             "the three taking turns):\n\n")
+    text += markdown_table(["write path", "us per block"],
+                           [[path, us] for path, us in results["write_cpu_us"].items()])
     text += (f"\nLocal lookup of {lookups['lookup_blocks']} cached blocks, "
              f"{lookups['rounds'] * lookups['per_round']} per daemon, the daemons taking turns "
              f"lookup by lookup:\n\n")
@@ -271,8 +318,11 @@ def run_bench(quick: bool, out: Path) -> str:
     progress("remote: fetch through kvd vs raw MGET")
     fetch = measure_fetch(2 if quick else 12)
     progress("remote: local lookup p99 with the tier healthy, down, slow")
+    progress("remote: the write-behind thread's CPU per block")
+    write_cpu = measure_write_cpu(20 if quick else 400)
     lookups = measure_lookups(2 if quick else 6, 300 if quick else 3000)
-    return report(out, "remote", {"fetch": fetch, "lookups": lookups}, markdown)
+    return report(out, "remote", {"fetch": fetch, "write_cpu_us": write_cpu, "lookups": lookups},
+                  markdown)
 
 
 def main(argv: list[str] | None = None) -> int:

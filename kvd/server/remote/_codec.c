@@ -16,6 +16,9 @@ The generations live in the shared segment and the loop thread bumps them while 
 is the point of the check): each is read with an atomic acquire load, and the copy's reads are
 ordered before the second reading by an acquire fence.
 
+`crc32` is zlib's CRC-32 by carry-less multiplication (below), which the fetch thread's checks use
+too, with the GIL released for all but short buffers.
+
 The command is written after a reserved head room, and its array header (`*N`, whose width
 depends on how many blocks were kept) right-aligned against the body: the caller sends
 `memoryview(command)[start:]`, with no copy of the body. Only a malformed call raises (TypeError or

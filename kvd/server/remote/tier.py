@@ -37,7 +37,8 @@ Fetch thread: MGETs of the job's keys, then checks of the values head first
 to its first gap. A value that fails a check is counted (`corrupt`), deleted, and ends the prefix
 like a miss. On one server the keys go as one pipeline of MGETs of FETCH_CHUNK keys, and each
 reply is checked as soon as it is read, while the server's next replies stream into the socket
-buffer: the CRC-32s (20 us per 64 KiB) overlap the transfer instead of following it. On a cluster,
+buffer: the CRC-32s (4.6 us per 64 KiB in kvd's C, codec.py) overlap the transfer instead of
+following it. On a cluster,
 redis-py splits one MGET by slot and pipelines the parts to each master.
 
 Health: `state` is "connecting" (at start: fetches are tried), "up" or "down"; `stats()`

@@ -276,7 +276,7 @@ def measure_write_cpu(batches: int) -> dict[str, float]:
         finally:
             codec_module._codec = saved
         if any(tier.counters["written"] != batches * WRITE_BATCH for tier in tiers.values()):
-            raise RuntimeError(f"not every block was written: {[t.counters for t in tiers.values()]}")
+            raise RuntimeError(f"not all written: {[t.counters for t in tiers.values()]}")
     return {path: round(seconds / (batches * WRITE_BATCH) * 1e6, 2)
             for path, seconds in cpu_s.items()}
 

@@ -63,8 +63,8 @@ def parse_mset(command: bytes) -> list[bytes]:
 
 @needs_codec
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, GEOMETRY.num_blocks - 1), st.binary(min_size=1, max_size=64),
-                          st.booleans()), max_size=12),
+@given(st.lists(st.tuples(st.integers(0, GEOMETRY.num_blocks - 1),
+                          st.binary(min_size=1, max_size=64), st.booleans()), max_size=12),
        st.integers(0, 2**64 - 2))
 def test_c_packs_the_bytes_python_packs(picks: list[tuple[int, bytes, bool]], base: int) -> None:
     codec = BlockCodec("default", GEOMETRY)

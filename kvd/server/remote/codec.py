@@ -183,7 +183,7 @@ class BlockCodec:
         num_values = len(parts) // 5
         return b"".join([b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * num_values), *parts]), 0, num_values
 
-    def payload(self, block_hash: bytes, value: bytes) -> memoryview | None:
+    def payload(self, block_hash: bytes, value: bytes | memoryview) -> memoryview | None:
         """The block bytes of `value`, or None if any check fails (module docstring)."""
         head_nbytes = HEADER.size + len(block_hash)
         if len(value) != head_nbytes + self.block_nbytes:

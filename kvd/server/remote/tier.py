@@ -38,15 +38,18 @@ to its first gap. A value that fails a check is counted (`corrupt`), deleted, an
 like a miss. On one server the keys go as one pipeline of MGETs of FETCH_CHUNK keys, and each
 reply is checked as soon as it is read, while the server's next replies stream into the socket
 buffer: the CRC-32s (4.6 us per 64 KiB in kvd's C, codec.py) overlap the transfer instead of
-following it. On a cluster,
-redis-py splits one MGET by slot and pipelines the parts to each master.
+following it. The replies are read by ReplyReader rather than redis-py's hiredis parser: each
+value goes from the kernel into a buffer of its own by one `recv_into`, with the GIL released,
+where hiredis copies it twice more holding the GIL (into its buffer, then into a bytes object).
+On a cluster, redis-py splits one MGET by slot and pipelines the parts to each master.
 
 Health: `state` is "connecting" (at start: fetches are tried), "up" or "down"; `stats()`
 reports "stalled" while a call has been in flight longer than the fetch deadline (a slow
-server, or redis-py riding out a cluster failover: fetches are declined meanwhile). Any Redis or socket error marks the tier down (a gauge, an
-error counter and `last_error` say why); while down, fetches are declined, writes wait in the
-queue (dropping the oldest once full), and the write thread probes with PING every RETRY_S
-until one succeeds: the tier resumes by itself after a restart, a failover or a slow spell.
+server, or redis-py riding out a cluster failover: fetches are declined meanwhile). Any Redis
+or socket error marks the tier down (a gauge, an error counter and `last_error` say why); while
+down, fetches are declined, writes wait in the queue (dropping the oldest once full), and the
+write thread probes with PING every RETRY_S until one succeeds: the tier resumes by itself
+after a restart, a failover or a slow spell.
 redis-py's own retries are off for a single server (the tier retries) and left on for a
 cluster, where they follow MOVED/ASK and refresh the slot map after a failover.
 
@@ -168,13 +171,19 @@ class RemoteTier:
         if self.is_importing:
             return
         writes, counters = self._writes, self.counters
+        was_empty = not writes
         for row in rows:
             if len(writes) >= self.max_queued:
                 writes.popleft()
                 counters["dropped"] += 1
             writes.append((row[0], row[1], row[2]))
         counters["queued"] += len(rows)
-        self._wake_writer.set()
+        # Wake the writer only where it waits for work: a writer with a queue is busy or
+        # gathering, and a down one sleeps until its next probe; each needless wake-up is a
+        # thread that takes the GIL from this loop (500 a second in bench.remote's lookups).
+        # (The writer looks at the queue after each wait, so none is lost.)
+        if was_empty and self.state != "down":
+            self._wake_writer.set()
 
     def fetch(self, keys: list[bytes]) -> FetchJob | None:
         """Queue a fetch of `keys` (head first), or None if the tier declines (module
@@ -392,9 +401,9 @@ class RemoteTier:
         try:
             connection.send_packed_command(connection.pack_commands(
                 [("MGET", *names[start:start + FETCH_CHUNK]) for start in starts]))
-            is_whole = True
+            is_whole, replies = True, ReplyReader(connection._sock)
             for start in starts:  # (the server's next replies stream in while one is checked)
-                values = connection.read_response()
+                values = replies.bulk_array()
                 if is_whole:
                     end = start + FETCH_CHUNK
                     is_whole = self._check(client, keys[start:end], names[start:end], values,
@@ -406,7 +415,7 @@ class RemoteTier:
             pool.release(connection)
 
     def _check(self, client: Any, keys: list[bytes], names: list[str],
-               values: list[bytes | None], payloads: list[memoryview]) -> bool:
+               values: Sequence[bytes | memoryview | None], payloads: list[memoryview]) -> bool:
         """Append the payloads of the consecutive values that pass every check, head first;
         whether all did."""
         counters = self.counters
@@ -422,6 +431,82 @@ class RemoteTier:
             payloads.append(payload)
             counters["fetched_bytes"] += len(value)
         return True
+
+
+class ReplyReader:
+    """Replies of MGET (RESP2 or RESP3 arrays of bulk strings and nulls) read off a socket: each
+    value's bytes go from the kernel into a buffer of its own by `recv_into`, which releases the
+    GIL. hiredis, through redis-py, copies them twice (into its read buffer, then into a bytes
+    object) holding the GIL that the daemon's loop needs, which is what a raw redis-py MGET pays
+    too. An error reply raises redis-py's ResponseError; a closed socket, ConnectionError;
+    a timeout, the socket's (the caller then drops the connection)."""
+
+    LINE_READ = 4096  # bytes asked for when a header line is incomplete
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._pending = bytearray()  # read past what was parsed (deletes from its front are O(1))
+
+    def bulk_array(self) -> list[memoryview | None]:
+        line = self._line()
+        if line[:1] != b"*":
+            raise self._unexpected(line)
+        values: list[memoryview | None] = []
+        for _ in range(int(line[1:])):
+            line = self._line()
+            if line == b"_":  # RESP3's null (redis-py speaks RESP3 where the server does)
+                values.append(None)
+                continue
+            if line[:1] != b"$":
+                raise self._unexpected(line)
+            nbytes = int(line[1:])
+            values.append(None if nbytes < 0 else self._bulk(nbytes))
+        return values
+
+    def _line(self) -> bytes:
+        pending = self._pending
+        while (end := pending.find(b"\r\n")) < 0:
+            self._recv_more()
+        line = bytes(pending[:end])
+        del pending[:end + 2]
+        return line
+
+    def _bulk(self, nbytes: int) -> memoryview:
+        """The next `nbytes` bytes and their CRLF."""
+        value = memoryview(bytearray(nbytes))
+        pending = self._pending
+        got = min(len(pending), nbytes)
+        value[:got] = pending[:got]
+        del pending[:got]
+        while got < nbytes:
+            count = self._sock.recv_into(value[got:])
+            if not count:
+                raise _closed()
+            got += count
+        while len(pending) < 2:
+            self._recv_more()
+        if pending[:2] != b"\r\n":
+            raise self._unexpected(bytes(pending[:16]))
+        del pending[:2]
+        return value
+
+    def _recv_more(self) -> None:
+        chunk = self._sock.recv(self.LINE_READ)
+        if not chunk:
+            raise _closed()
+        self._pending += chunk
+
+    @staticmethod
+    def _unexpected(line: bytes) -> Exception:
+        from redis.exceptions import InvalidResponse, ResponseError
+        if line[:1] == b"-":
+            return ResponseError(line[1:].decode(errors="replace"))
+        return InvalidResponse(f"unexpected reply to MGET: {line[:64]!r}")
+
+
+def _closed() -> Exception:
+    from redis.exceptions import ConnectionError
+    return ConnectionError("Redis closed the connection")
 
 
 def require_redis() -> None:

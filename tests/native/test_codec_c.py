@@ -5,6 +5,7 @@ their generation moved, and values that BlockCodec.payload accepts."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -84,18 +85,23 @@ def test_c_packs_the_bytes_python_packs(picks: list[tuple[int, bytes, bool]], ba
 
 
 @needs_codec
-def test_c_refuses_what_python_refuses() -> None:
+def test_c_declines_what_python_refuses() -> None:
+    """One-sided (docs/native.md): C returns None, having done nothing, and the Python raises."""
     codec = BlockCodec("default", GEOMETRY)
     blocks = np.zeros((GEOMETRY.num_blocks, GEOMETRY.block_nbytes), dtype=np.uint8)
     generations = np.zeros(GEOMETRY.num_blocks, dtype=np.uint64)
-    for pack in (c_pack, python_pack):
-        with pytest.raises(ValueError):
-            pack(codec, blocks, generations, [(GEOMETRY.num_blocks, b"h", 0)])
-    with pytest.raises(TypeError):
-        c_pack(codec, blocks, generations, [(0, "not bytes", 0)])  # type: ignore[list-item]
     assert built is not None
-    with pytest.raises(ValueError):
-        built.pack_mset(blocks, generations[:4], [], b"", codec.head)
+    prefix = codec.prefix.encode()
+    for rows in ([(GEOMETRY.num_blocks, b"h", 0)], [(-1, b"h", 0)]):
+        assert built.pack_mset(blocks, generations, rows, prefix, codec.head) is None
+        with pytest.raises(ValueError):
+            codec.pack_mset(blocks, generations, rows)
+    bad_rows: list[list[Any]] = [[(0, "not bytes", 0)], [(0, b"x" * 65, 0)], [(0, b"h")],
+                                 [(2**70, b"h", 0)]]
+    for rows in bad_rows:
+        assert built.pack_mset(blocks, generations, rows, prefix, codec.head) is None
+    assert built.pack_mset(blocks, generations[:4], [], prefix, codec.head) is None
+    assert built.pack_mset(blocks, generations, [], prefix, b"short") is None
 
 
 @needs_codec

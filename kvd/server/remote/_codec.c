@@ -21,8 +21,10 @@ too, with the GIL released for all but short buffers.
 
 The command is written after a reserved head room, and its array header (`*N`, whose width
 depends on how many blocks were kept) right-aligned against the body: the caller sends
-`memoryview(command)[start:]`, with no copy of the body. Only a malformed call raises (TypeError or
-ValueError, a bug of the caller's); the Python twin raises the same.
+`memoryview(command)[start:]`, with no copy of the body. As every C path of kvd's (docs/native.md),
+`pack_mset` is one-sided: for anything off (a row not (int, bytes of 1-64, int), a block id out of
+range, buffers of the wrong shape) it returns None having done nothing, and the Python twin packs
+the batch or raises its own error.
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -137,28 +139,23 @@ static Py_ssize_t put_bulk_head(char *out, Py_ssize_t nbytes)
     return sprintf(out, "$%zd\r\n", nbytes);
 }
 
+/* The rows into memory of this call's own; -1 (an error perhaps set) for anything the Python
+   must handle. */
 static int read_rows(PyObject *rows, Row *row_of, Py_ssize_t num_rows, Py_ssize_t num_blocks)
 {
     for (Py_ssize_t i = 0; i < num_rows; i++) {
         PyObject *row = PyList_GET_ITEM(rows, i);
-        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 3) {
-            PyErr_SetString(PyExc_TypeError, "pack_mset: a row is (block_id, hash, generation)");
+        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 3)
             return -1;
-        }
         PyObject *hash = PyTuple_GET_ITEM(row, 1);
         row_of[i].block_id = PyLong_AsLongLong(PyTuple_GET_ITEM(row, 0));
         row_of[i].generation = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(row, 2));
         if (PyErr_Occurred())
             return -1;
         if (!PyBytes_Check(hash) || PyBytes_GET_SIZE(hash) < 1 ||
-            PyBytes_GET_SIZE(hash) > MAX_HASH_NBYTES) {
-            PyErr_SetString(PyExc_TypeError, "pack_mset: a hash is bytes of 1 to 64");
+            PyBytes_GET_SIZE(hash) > MAX_HASH_NBYTES || row_of[i].block_id < 0 ||
+            row_of[i].block_id >= num_blocks)
             return -1;
-        }
-        if (row_of[i].block_id < 0 || row_of[i].block_id >= num_blocks) {
-            PyErr_SetString(PyExc_ValueError, "pack_mset: block id out of range");
-            return -1;
-        }
         row_of[i].hash_nbytes = PyBytes_GET_SIZE(hash);
         memcpy(row_of[i].hash, PyBytes_AS_STRING(hash), row_of[i].hash_nbytes);
     }
@@ -213,23 +210,18 @@ static PyObject *codec_pack_mset(PyObject *module, PyObject *const *args, Py_ssi
     }
     PyObject *rows = args[2], *prefix_obj = args[3], *head_obj = args[4];
     if (!PyList_Check(rows) || !PyBytes_Check(prefix_obj) || !PyBytes_Check(head_obj) ||
-        PyBytes_GET_SIZE(head_obj) != HEADER_NBYTES) {
-        PyErr_SetString(PyExc_TypeError,
-                        "pack_mset: rows a list, prefix bytes, head 32 bytes");
-        return NULL;
-    }
+        PyBytes_GET_SIZE(head_obj) != HEADER_NBYTES)
+        Py_RETURN_NONE;
     Py_buffer blocks = {0}, generations = {0};
     PyObject *command = NULL, *result = NULL;
     Row *row_of = NULL;
     if (PyObject_GetBuffer(args[0], &blocks, PyBUF_C_CONTIGUOUS | PyBUF_ND) < 0 ||
         PyObject_GetBuffer(args[1], &generations, PyBUF_C_CONTIGUOUS) < 0)
-        goto release;
+        goto decline;
     if (blocks.ndim != 2 || blocks.itemsize != 1 || generations.itemsize != 8 ||
-        generations.len / 8 != blocks.shape[0] || blocks.shape[1] <= 0) {
-        PyErr_SetString(PyExc_ValueError,
-                        "pack_mset: blocks uint8 [num_blocks, block_nbytes], generations uint64");
-        goto release;
-    }
+        generations.len / 8 != blocks.shape[0] || blocks.shape[1] <= 0 ||
+        (uintptr_t)generations.buf % 8 != 0)
+        goto decline;
     Py_ssize_t num_blocks = blocks.shape[0], block_nbytes = blocks.shape[1];
     Py_ssize_t num_rows = PyList_GET_SIZE(rows), prefix_nbytes = PyBytes_GET_SIZE(prefix_obj);
     row_of = PyMem_Malloc((num_rows ? num_rows : 1) * sizeof(Row));
@@ -238,7 +230,7 @@ static PyObject *codec_pack_mset(PyObject *module, PyObject *const *args, Py_ssi
         goto release;
     }
     if (read_rows(rows, row_of, num_rows, num_blocks) < 0)
-        goto release;
+        goto decline;
     /* every block kept, each with its two bulk heads ("$N\r\n", N < 2**63) and two CRLFs */
     Py_ssize_t most = prefix_nbytes + 2 * MAX_HASH_NBYTES + HEADER_NBYTES + MAX_HASH_NBYTES +
                       block_nbytes + 2 * 24;
@@ -265,6 +257,10 @@ static PyObject *codec_pack_mset(PyObject *module, PyObject *const *args, Py_ssi
     if (_PyBytes_Resize(&command, p - out) < 0)
         goto release;
     result = Py_BuildValue("(Onn)", command, start, num_values);
+    goto release;
+decline:
+    PyErr_Clear();
+    result = Py_NewRef(Py_None);
 release:
     Py_XDECREF(command);
     PyMem_Free(row_of);

@@ -164,10 +164,11 @@ class BlockCodec:
         values of the rows' (block id, hash, generation) blocks that still have their
         generation, read before and after each copy (kvd/server/remote/tier.py); num_values
         those kept. `blocks`: uint8 [num_blocks, block_nbytes]; `generations`: uint64."""
-        if _codec is not None:
-            result: tuple[bytes, int, int] = _codec.pack_mset(
+        if _codec is not None:  # (None: declined, the Python decides)
+            result: tuple[bytes, int, int] | None = _codec.pack_mset(
                 blocks, generations, rows, self.prefix.encode(), self.head)
-            return result
+            if result is not None:
+                return result
         parts = []
         for block_id, block_hash, generation in rows:
             if not 0 <= block_id < len(blocks):

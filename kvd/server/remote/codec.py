@@ -66,8 +66,8 @@ HEADER = struct.Struct("<4sBBBB8sQII")  # (the two reserved fields are 0: checke
 MAX_HASH_NBYTES = 64
 SCHEMES = ("redis", "redis-cluster")
 DEFAULT_PORT = 6379
-_built_codec = native.built("codec")  # (twin tests call it directly)
-_codec = native.load("codec")
+_built_codec = native.built("remote")  # (twin tests call it directly)
+_codec = native.load("remote")
 # zlib's CRC-32, by carry-less multiplication where kvd's C is built (4.6 us per 64 KiB on the
 # 2-core VM rather than zlib's 15.3, best of 20 x 100 calls: most of a fetch's checks)
 crc32 = zlib.crc32 if _codec is None else _codec.crc32

@@ -92,9 +92,10 @@ def test_c_declines_what_python_refuses() -> None:
     generations = np.zeros(GEOMETRY.num_blocks, dtype=np.uint64)
     assert built is not None
     prefix = codec.prefix.encode()
-    for rows in ([(GEOMETRY.num_blocks, b"h", 0)], [(-1, b"h", 0)]):
+    for rows, error in (([(GEOMETRY.num_blocks, b"h", 0)], IndexError),
+                        ([(-1, b"h", 0)], ValueError)):
         assert built.pack_mset(blocks, generations, rows, prefix, codec.head) is None
-        with pytest.raises(ValueError):
+        with pytest.raises(error):
             codec.pack_mset(blocks, generations, rows)
     bad_rows: list[list[Any]] = [[(0, "not bytes", 0)], [(0, b"x" * 65, 0)], [(0, b"h")],
                                  [(2**70, b"h", 0)]]

@@ -177,12 +177,13 @@ class BlockCodec:
         value[HEADER.size:head_nbytes] = block_hash
         return value
 
-    def pack_mset(self, blocks: np.ndarray, generations: np.ndarray,
+    def pack_mset(self, blocks: Blocks, generations: np.ndarray,
                   rows: list[tuple[int, bytes, int]]) -> tuple[bytes, int, int]:
         """(command, start, num_values): `command[start:]` is the RESP bytes of one MSET of the
         values of the rows' (block id, hash, generation) blocks that still have their
         generation, read before and after each copy (kvd/server/remote/tier.py); num_values
-        those kept. `blocks`: uint8 [num_blocks, block_nbytes]; `generations`: uint64."""
+        those kept. `generations`: uint64. kvd's C packs a segment's one pool (`blocks` an
+        array, uint8 [num_blocks, block_nbytes]); the Python packs slab-shared pools too."""
         if _codec is not None:  # (None: declined, the Python decides)
             result: tuple[bytes, int, int] | None = _codec.pack_mset(
                 blocks, generations, rows, self.prefix.encode(), self.head)
@@ -190,8 +191,8 @@ class BlockCodec:
                 return result
         parts = []
         for block_id, block_hash, generation in rows:
-            if not 0 <= block_id < len(blocks):
-                raise ValueError("pack_mset: block id out of range")
+            if block_id < 0:  # (an index from the end, to NumPy; past the end raises)
+                raise ValueError("pack_mset: a negative block id")
             if int(generations[block_id]) != generation:
                 continue
             value = self.encode(block_hash, blocks[block_id])

@@ -29,7 +29,8 @@ that reads the rows with the GIL and then copies, checksums and checks generatio
 released, straight into the bytes that go on the wire (codec.py's `pack_mset` is its Python
 twin), sent with one `sendall` (which releases the GIL) and answered by one `+OK`: 1.6-2.9 us of
 the thread's CPU per 512-byte block, mostly without the GIL, against 10.8-14.8 us of mostly
-Python through redis-py's pipeline of SETs (`python -m bench.remote`, docs/remote.md). A cluster's blocks go as a pipeline of SETs, which
+Python through redis-py's pipeline of SETs (`python -m bench.remote`, docs/remote.md). (The C
+packs a segment's one pool, an array; pools in shared slabs go through the Python twin.) A cluster's blocks go as a pipeline of SETs, which
 redis-py routes key by key (an MSET must stay in one slot).
 
 Fetch thread: MGETs of the job's keys, then checks of the values head first
@@ -336,7 +337,7 @@ class RemoteTier:
         self.counters["written_bytes"] += num_bytes
         self._succeeded()
 
-    def _values(self, rows: list[tuple[int, bytes, int]], blocks: np.ndarray,
+    def _values(self, rows: list[tuple[int, bytes, int]], blocks: Blocks,
                 generations: np.ndarray) -> list[tuple[str, bytearray]]:
         """(key, value) of the rows' blocks that were not evicted before or during the copy
         (module docstring): a cluster's SETs, which redis-py routes key by key."""

@@ -38,6 +38,7 @@ MODULES: dict[str, tuple[str, str]] = {
     "copy": ("kvd._copy", "kvd/blockcopy.py: bulk block writes with streaming stores"),
     "pool": ("kvd.core._pool", "kvd/core/pool.py: the per-block loops of a batch"),
     "s3fifo": ("kvd.core.policies._s3fifo", "kvd/core/policies/s3fifo.py: batch events"),
+    "remote": ("kvd.server.remote._codec", "kvd/server/remote/codec.py: write packing, CRC-32"),
 }
 
 

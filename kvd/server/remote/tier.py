@@ -16,26 +16,41 @@ deque (appends and pops are atomic under the GIL) plus a wake-up:
              loop's selector watches (kvd/server/loop.py); the loop imports what arrived.
 
 Write-behind thread: pops up to WRITE_BATCH blocks, copies each block's bytes out of the shared
-segment, and sends them as one pipeline of SETs. A sealed block is immutable, but once released
-it can be evicted and its block reused (for other bytes) at any moment; eviction bumps the
-block's generation (kvd/core/pool.py, invariant 5) before the block can be handed out again, so
-the generation is read before and after the copy and the write is dropped (`stale`) if it
-changed: a copy between two equal readings is a copy of the sealed bytes.
+segment, and sends them as one command. A sealed block is immutable, but once released it can
+be evicted and its block reused (for other bytes) at any moment; eviction bumps the block's
+generation (kvd/core/pool.py, invariant 5) before the block can be handed out again, so the
+generation is read before and after the copy and the write is dropped (`stale`) if it changed: a
+copy between two equal readings is a copy of the sealed bytes.
+
+The thread shares the daemon's GIL with the loop, and whatever Python it runs is time the loop
+may wait for the GIL (up to the switch interval, 5 ms, for a long stretch): a lookup's p99 pays
+for it. So on one server a batch is one `MSET`, packed by kvd/server/remote/_codec.c in one call
+that reads the rows with the GIL and then copies, checksums and checks generations with the GIL
+released, straight into the bytes that go on the wire (codec.py's `pack_mset` is its Python
+twin), sent with one `sendall` (which releases the GIL) and answered by one `+OK`: 1.6-2.9 us of
+the thread's CPU per 512-byte block, mostly without the GIL, against 10.8-14.8 us of mostly
+Python through redis-py's pipeline of SETs (`python -m bench.remote`, docs/remote.md). (The C
+packs a segment's one pool, an array; pools in shared slabs go through the Python twin.) A cluster's blocks go as a pipeline of SETs, which
+redis-py routes key by key (an MSET must stay in one slot).
 
 Fetch thread: MGETs of the job's keys, then checks of the values head first
 (kvd/server/remote/codec.py), keeping the consecutive ones that pass: a prefix is useful only up
 to its first gap. A value that fails a check is counted (`corrupt`), deleted, and ends the prefix
 like a miss. On one server the keys go as one pipeline of MGETs of FETCH_CHUNK keys, and each
 reply is checked as soon as it is read, while the server's next replies stream into the socket
-buffer: the CRC-32s (20 us per 64 KiB) overlap the transfer instead of following it. On a cluster,
-redis-py splits one MGET by slot and pipelines the parts to each master.
+buffer: the CRC-32s (4.6 us per 64 KiB in kvd's C, codec.py) overlap the transfer instead of
+following it. The replies are read by ReplyReader rather than redis-py's hiredis parser: each
+value goes from the kernel into a buffer of its own by one `recv_into`, with the GIL released,
+where hiredis copies it twice more holding the GIL (into its buffer, then into a bytes object).
+On a cluster, redis-py splits one MGET by slot and pipelines the parts to each master.
 
 Health: `state` is "connecting" (at start: fetches are tried), "up" or "down"; `stats()`
 reports "stalled" while a call has been in flight longer than the fetch deadline (a slow
-server, or redis-py riding out a cluster failover: fetches are declined meanwhile). Any Redis or socket error marks the tier down (a gauge, an
-error counter and `last_error` say why); while down, fetches are declined, writes wait in the
-queue (dropping the oldest once full), and the write thread probes with PING every RETRY_S
-until one succeeds: the tier resumes by itself after a restart, a failover or a slow spell.
+server, or redis-py riding out a cluster failover: fetches are declined meanwhile). Any Redis
+or socket error marks the tier down (a gauge, an error counter and `last_error` say why); while
+down, fetches are declined, writes wait in the queue (dropping the oldest once full), and the
+write thread probes with PING every RETRY_S until one succeeds: the tier resumes by itself
+after a restart, a failover or a slow spell.
 redis-py's own retries are off for a single server (the tier retries) and left on for a
 cluster, where they follow MOVED/ASK and refresh the slot map after a failover.
 
@@ -65,9 +80,9 @@ DEFAULT_TIMEOUT_MS = 100
 MAX_QUEUED_WRITES = 8192  # blocks waiting to be written (metadata only: ~100 bytes each)
 WRITE_BATCH = 32  # blocks per pipeline: 2 MiB at 64 KiB blocks
 WRITE_GATHER_S = 0.005  # a write waits this long for others to share its pipeline
-# Values this large go to redis-py as memoryviews, which it sends as they are; it would copy a
-# bytearray twice (to bytes, then into hiredis' packed command), holding the GIL the loop needs.
-# (Below it, hiredis' packing of a copy costs less than redis-py's Python packer.)
+# A cluster's values this large go to redis-py as memoryviews, which it sends as they are; it
+# would copy a bytearray twice (to bytes, then into hiredis' packed command), holding the GIL the
+# loop needs. (Below it, hiredis' packing of a copy costs less than redis-py's Python packer.)
 ZERO_COPY_NBYTES = 1 << 16
 MAX_FETCH_BLOCKS = 1024  # blocks one lookup fetches at most
 FETCH_CHUNK = 32  # keys per MGET of a fetch from one server (2 MiB of 64 KiB blocks)
@@ -157,13 +172,19 @@ class RemoteTier:
         if self.is_importing:
             return
         writes, counters = self._writes, self.counters
+        was_empty = not writes
         for row in rows:
             if len(writes) >= self.max_queued:
                 writes.popleft()
                 counters["dropped"] += 1
             writes.append((row[0], row[1], row[2]))
         counters["queued"] += len(rows)
-        self._wake_writer.set()
+        # Wake the writer only where it waits for work: a writer with a queue is busy or
+        # gathering, and a down one sleeps until its next probe; each needless wake-up is a
+        # thread that takes the GIL from this loop (500 a second in bench.remote's lookups).
+        # (The writer looks at the queue after each wait, so none is lost.)
+        if was_empty and self.state != "down":
+            self._wake_writer.set()
 
     def fetch(self, keys: list[bytes]) -> FetchJob | None:
         """Queue a fetch of `keys` (head first), or None if the tier declines (module
@@ -284,22 +305,28 @@ class RemoteTier:
                 rows.append(writes.popleft())
             except IndexError:  # (the loop dropped it meanwhile)
                 break
-        pipe = client.pipeline(transaction=False)
-        num_values = num_bytes = 0
-        for block_id, block_hash, generation in rows:
-            value = self._value(block_id, block_hash, generation)
-            if value is None:
-                self.counters["stale"] += 1
-                continue
-            pipe.execute_command("SET", self.codec.key(block_hash),
-                                 memoryview(value) if len(value) >= ZERO_COPY_NBYTES else value)
-            num_values += 1
-            num_bytes += len(value)
+        blocks, generations = self.blocks, self._generations
+        if blocks is None or generations is None:
+            return
+        if self.url.is_cluster:
+            values = self._values(rows, blocks, generations)
+            num_values, num_bytes = len(values), sum(len(value) for _, value in values)
+        else:
+            command, start, num_values = self.codec.pack_mset(blocks, generations, rows)
+            num_bytes = len(command) - start
+        self.counters["stale"] += len(rows) - num_values
         if not num_values:
             return
         self._write_started = time.monotonic()
         try:
-            pipe.execute()
+            if self.url.is_cluster:
+                pipe = client.pipeline(transaction=False)
+                for name, value in values:
+                    pipe.execute_command(
+                        "SET", name, memoryview(value) if len(value) >= ZERO_COPY_NBYTES else value)
+                pipe.execute()
+            else:
+                _send_packed(client, memoryview(command)[start:])
         except Exception as exc:
             self.counters["write_errors"] += num_values
             self._failed("write", exc)
@@ -310,16 +337,18 @@ class RemoteTier:
         self.counters["written_bytes"] += num_bytes
         self._succeeded()
 
-    def _value(self, block_id: int, block_hash: bytes, generation: int) -> bytearray | None:
-        """The value of a sealed block, or None if the block was evicted (before or during the
-        copy: module docstring)."""
-        generations, blocks = self._generations, self.blocks
-        if generations is None or blocks is None or int(generations[block_id]) != generation:
-            return None
-        value = self.codec.encode(block_hash, blocks[block_id])
-        if int(generations[block_id]) != generation:
-            return None
-        return value
+    def _values(self, rows: list[tuple[int, bytes, int]], blocks: Blocks,
+                generations: np.ndarray) -> list[tuple[str, bytearray]]:
+        """(key, value) of the rows' blocks that were not evicted before or during the copy
+        (module docstring): a cluster's SETs, which redis-py routes key by key."""
+        values = []
+        for block_id, block_hash, generation in rows:
+            if int(generations[block_id]) != generation:
+                continue
+            value = self.codec.encode(block_hash, blocks[block_id])
+            if int(generations[block_id]) == generation:
+                values.append((self.codec.key(block_hash), value))
+        return values
 
     # ---- fetch thread -----------------------------------------------------------------------
     def _fetch_loop(self) -> None:
@@ -373,9 +402,9 @@ class RemoteTier:
         try:
             connection.send_packed_command(connection.pack_commands(
                 [("MGET", *names[start:start + FETCH_CHUNK]) for start in starts]))
-            is_whole = True
+            is_whole, replies = True, ReplyReader(connection._sock)
             for start in starts:  # (the server's next replies stream in while one is checked)
-                values = connection.read_response()
+                values = replies.bulk_array()
                 if is_whole:
                     end = start + FETCH_CHUNK
                     is_whole = self._check(client, keys[start:end], names[start:end], values,
@@ -387,7 +416,7 @@ class RemoteTier:
             pool.release(connection)
 
     def _check(self, client: Any, keys: list[bytes], names: list[str],
-               values: list[bytes | None], payloads: list[memoryview]) -> bool:
+               values: Sequence[bytes | memoryview | None], payloads: list[memoryview]) -> bool:
         """Append the payloads of the consecutive values that pass every check, head first;
         whether all did."""
         counters = self.counters
@@ -405,6 +434,82 @@ class RemoteTier:
         return True
 
 
+class ReplyReader:
+    """Replies of MGET (RESP2 or RESP3 arrays of bulk strings and nulls) read off a socket: each
+    value's bytes go from the kernel into a buffer of its own by `recv_into`, which releases the
+    GIL. hiredis, through redis-py, copies them twice (into its read buffer, then into a bytes
+    object) holding the GIL that the daemon's loop needs, which is what a raw redis-py MGET pays
+    too. An error reply raises redis-py's ResponseError; a closed socket, ConnectionError;
+    a timeout, the socket's (the caller then drops the connection)."""
+
+    LINE_READ = 4096  # bytes asked for when a header line is incomplete
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._pending = bytearray()  # read past what was parsed (deletes from its front are O(1))
+
+    def bulk_array(self) -> list[memoryview | None]:
+        line = self._line()
+        if line[:1] != b"*":
+            raise self._unexpected(line)
+        values: list[memoryview | None] = []
+        for _ in range(int(line[1:])):
+            line = self._line()
+            if line == b"_":  # RESP3's null (redis-py speaks RESP3 where the server does)
+                values.append(None)
+                continue
+            if line[:1] != b"$":
+                raise self._unexpected(line)
+            nbytes = int(line[1:])
+            values.append(None if nbytes < 0 else self._bulk(nbytes))
+        return values
+
+    def _line(self) -> bytes:
+        pending = self._pending
+        while (end := pending.find(b"\r\n")) < 0:
+            self._recv_more()
+        line = bytes(pending[:end])
+        del pending[:end + 2]
+        return line
+
+    def _bulk(self, nbytes: int) -> memoryview:
+        """The next `nbytes` bytes and their CRLF."""
+        value = memoryview(bytearray(nbytes))
+        pending = self._pending
+        got = min(len(pending), nbytes)
+        value[:got] = pending[:got]
+        del pending[:got]
+        while got < nbytes:
+            count = self._sock.recv_into(value[got:])
+            if not count:
+                raise _closed()
+            got += count
+        while len(pending) < 2:
+            self._recv_more()
+        if pending[:2] != b"\r\n":
+            raise self._unexpected(bytes(pending[:16]))
+        del pending[:2]
+        return value
+
+    def _recv_more(self) -> None:
+        chunk = self._sock.recv(self.LINE_READ)
+        if not chunk:
+            raise _closed()
+        self._pending += chunk
+
+    @staticmethod
+    def _unexpected(line: bytes) -> Exception:
+        from redis.exceptions import InvalidResponse, ResponseError
+        if line[:1] == b"-":
+            return ResponseError(line[1:].decode(errors="replace"))
+        return InvalidResponse(f"unexpected reply to MGET: {line[:64]!r}")
+
+
+def _closed() -> Exception:
+    from redis.exceptions import ConnectionError
+    return ConnectionError("Redis closed the connection")
+
+
 def require_redis() -> None:
     """Import redis-py now (its import takes 0.1-0.3 s: not in the fetch thread's first
     deadline); a typed error naming the fix where it is missing."""
@@ -413,6 +518,23 @@ def require_redis() -> None:
     except ImportError:
         raise BadArgsError("--remote needs redis-py: pip install 'kvd[remote]' "
                            "(redis and hiredis)") from None
+
+
+def _send_packed(client: Any, command: memoryview) -> None:
+    """Send one packed command on a single server's connection and read its reply (an error
+    reply raises, as redis-py's own calls do)."""
+    pool = client.connection_pool
+    connection = pool.get_connection()
+    try:
+        connection.send_packed_command([command], check_health=False)
+        reply = connection.read_response()
+    except BaseException:
+        connection.disconnect()  # (a reply may be left unread)
+        raise
+    finally:
+        pool.release(connection)
+    if isinstance(reply, Exception):
+        raise reply
 
 
 def _close_client(client: Any) -> None:

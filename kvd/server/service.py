@@ -196,7 +196,8 @@ class Service:
     def serve_remote(self, remote: Any) -> None:
         """Serve the remote tiers (kvd/server/remote.Tiers; before any session opens): their
         stats, and lookups that may ask how many of their blocks came from them
-        (`remote: 1`, replied {block_ids, num_remote}; without a tier the plain lookup stays
+        (`remote: 1`, replied {block_ids, num_remote} when any came from a tier, else the plain
+        list; without a tier the plain lookup stays
         the pool's own method, no frame between)."""
         self.remote = remote
         for name, served in self.served.items():
@@ -212,11 +213,13 @@ class Service:
 
         def reporting_lookup(keys: list[bytes], remote: int | None, owner: int) -> Any:
             block_ids = lookup(keys, owner)
-            if remote is None:
-                return block_ids
             imported = self.imported.get(name)
-            return {"block_ids": block_ids,
-                    "num_remote": len(imported.intersection(block_ids)) if imported else 0}
+            if remote is None or not imported:
+                return block_ids
+            num_remote = len(imported.intersection(block_ids))
+            # A plain list says "none remote": the common local hit keeps the reply (and the
+            # client's decoding) of a daemon without a tier.
+            return {"block_ids": block_ids, "num_remote": num_remote} if num_remote else block_ids
         return (*schema, int_field("remote", 1, 1, is_required=False)), False, reporting_lookup
 
     def add_model(self, name: str, pool_names: list[str]) -> None:

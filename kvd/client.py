@@ -62,7 +62,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,6 +126,16 @@ class Sequence:
     pool: str | None = None  # the pool it was opened on (None: the session's)
 
 
+class BlockIds(list[int]):
+    """A lookup's block ids (a list), and `num_remote`: how many of them the daemon's remote
+    tier (`kvd start --remote`) fetched for this lookup (after the local prefix); the others
+    were cached locally."""
+
+    def __init__(self, block_ids: Iterable[int] = (), num_remote: int = 0) -> None:
+        super().__init__(block_ids)
+        self.num_remote = num_remote
+
+
 @dataclass
 class ModelSequence:
     """A sequence spanning the pools of a model (`Client.open_model_sequence`): one seq_id, one
@@ -138,6 +148,7 @@ class ModelSequence:
     num_tokens: int
     num_cached_tokens: int = 0
     num_sealed_blocks: int = 0
+    num_remote_tokens: int = 0  # of num_cached_tokens, those the remote tier supplied
     is_closed: bool = field(default=False, repr=False)
     epoch: int = field(default=0, repr=False)
 
@@ -836,10 +847,16 @@ class Client:
             args["tiers"] = _ints(tiers, "tiers")
         return self._call("seal" if pool is None else f"seal@{pool}", args)
 
-    def lookup(self, hashes: SequenceOf[bytes], pool: str | None = None) -> list[int]:
-        """Block ids of the longest cached prefix of `hashes`, pinned for this session."""
-        return self._call("lookup" if pool is None else f"lookup@{pool}",
-                          {"hashes": _list(hashes, "hashes")})
+    def lookup(self, hashes: SequenceOf[bytes], pool: str | None = None) -> BlockIds:
+        """Block ids of the longest cached prefix of `hashes`, pinned for this session (a list;
+        its `num_remote`: how many of them the daemon's remote tier supplied for this call)."""
+        args: dict[str, Any] = {"hashes": _list(hashes, "hashes")}
+        if self.info.get("remote"):  # (a daemon without a tier has nothing to split)
+            args["remote"] = 1
+        reply = self._call("lookup" if pool is None else f"lookup@{pool}", args)
+        if type(reply) is dict:
+            return BlockIds(reply["block_ids"], reply["num_remote"])
+        return BlockIds(reply)
 
     def pin(self, block_ids: SequenceOf[int], pool: str | None = None) -> None:
         """One more pin on each sealed block (to share it)."""
@@ -941,7 +958,7 @@ class Client:
                              {name: each["block_ids"] for name, each in pools.items()},
                              reply["num_tokens"], reply["num_cached_tokens"],
                              min(each["num_sealed_blocks"] for each in pools.values()),
-                             epoch=self.num_reconnects)
+                             reply.get("num_remote_tokens", 0), epoch=self.num_reconnects)
 
     def extend_model_sequence(self, seq: ModelSequence, token_ids: Any,
                               num_computed: int | None = None) -> dict[str, list[int]]:

@@ -178,7 +178,7 @@ class _Waker:
             try:
                 os.eventfd_read(self.fd)
             except BlockingIOError:
-                pass  # (another read took it: cannot happen with one thread per waker)
+                pass  # (another reader of the eventfd emptied it: a forked child holding it)
 
     def wake(self) -> None:
         os.eventfd_write(self.fd, 1)

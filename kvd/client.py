@@ -16,6 +16,10 @@ shared by threads, whose requests are then in flight on its one connection toget
     that slot's thread, until its own reply is in; then it wakes one sleeping waiter to take the
     reading over. So a lone thread reads its own reply, as a single-threaded client does, and no
     thread is spent on reading while nobody waits. `_mutex` guards the slots and the reading.
+    A sleeping thread waits on an eventfd of its own (`_Waker`), written once `_mutex` is
+    released, by a system call that releases the GIL: the woken thread runs at once without
+    meeting a lock or the GIL held by its waker (with a Lock it did, and threads on one CPU
+    traded it several times per request);
   * if the daemon goes away, every request in flight fails with the same loss; the first thread
     to handle it reconnects and the others find the session already replaced (by `epoch`, the
     `num_reconnects` each request was sent under), so `num_reconnects` grows by one per restart
@@ -50,13 +54,15 @@ view is alive rather than leaving readers on unmapped memory; drop views before 
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
+import select
 import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +96,8 @@ _live_clients: weakref.WeakSet[Client] = weakref.WeakSet()
 
 
 def _disown_after_fork() -> None:
+    global _wakers
+    _wakers = threading.local()  # the parent's eventfds would wake (and be read by) both sides
     for client in list(_live_clients):
         client._is_forked = True
         # Another thread of the parent may have held them at the fork: the child's are fresh.
@@ -152,6 +160,50 @@ class ModelSequence:
     num_shared_blocks: dict[str, int] = field(default_factory=dict, repr=False)
 
 
+class _Waker:
+    """How a thread waiting for its reply sleeps and is woken: an eventfd of its own (one per
+    thread, whatever clients it calls).
+
+    Not a Lock: a Lock is released with the GIL held, Linux runs the thread it wakes at once on
+    that CPU, which then blocks on the GIL, and the two trade the CPU back and forth (9 context
+    switches per request with 4 threads sharing a client on one CPU, against 1.5 with a client
+    each: `python -m bench.client_threads`). A write to an eventfd is a system call made with the
+    GIL released, so the woken thread finds it free and runs until it blocks in turn. A wake-up
+    left over (its thread had stopped waiting) only ends the next sleep early: waiters look again.
+    """
+
+    __slots__ = ("fd", "_poll")
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._poll = select.poll()
+        self._poll.register(self.fd, select.POLLIN)
+
+    def sleep(self, timeout_s: float) -> None:
+        """Until woken (or a wake-up left from before) or for timeout_s."""
+        if self._poll.poll(timeout_s * 1000):
+            try:
+                os.eventfd_read(self.fd)
+            except BlockingIOError:
+                pass  # (another reader of the eventfd emptied it: a forked child holding it)
+
+    def wake(self) -> None:
+        os.eventfd_write(self.fd, 1)
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
+_wakers = threading.local()  # each thread's _Waker, made at its first sleep
+
+
+def _waker() -> _Waker:
+    waker = getattr(_wakers, "waker", None)
+    if waker is None:
+        waker = _wakers.waker = _Waker()
+    return waker
+
+
 class _Reply:
     """A request's reply, filled in by whichever thread reads it off the socket (under the
     client's _mutex). Class defaults: a reply is made per call, with no __init__ to run."""
@@ -159,7 +211,7 @@ class _Reply:
     value: Any = None
     error: BaseException | None = None
     is_done = False
-    wakeup: threading.Lock | None = None  # made when its thread must sleep; released to wake it
+    waker: _Waker | None = None  # its thread's, while it sleeps: whoever takes it out wakes it
     session: tuple[int, bytes | None] | None = None  # Client._session when sent (None: not)
 
 
@@ -226,6 +278,7 @@ class Client:
         self._send_lock = threading.Lock()
         self._mutex = threading.Lock()
         self._pending: dict[int, _Reply] = {}  # request id -> its reply, until it is read
+        self._wakes: list[_Waker] = []  # threads to wake once _mutex is released
         self._is_reading = False  # a thread is reading replies (it hands each to its request)
         self._orphan_socket: socket.socket | None = None  # dropped while read: the reader closes it
         self._closed_because: str | None = None
@@ -426,26 +479,25 @@ class Client:
                 is_reader = not reply.is_done and not self._is_reading
                 if is_reader:
                     self._is_reading = True
-                elif not reply.is_done and reply.wakeup is None:
-                    reply.wakeup = threading.Lock()
-                    reply.wakeup.acquire()  # held while there is no news; released to wake us
-                wakeup = reply.wakeup
+                elif not reply.is_done:
+                    waker = reply.waker = _waker()  # (whoever finishes the reply takes it out)
             finally:
                 mutex.release()
             if is_reader:
                 self._read_until(reply)  # (returns with the reply done)
-            elif wakeup is not None and not reply.is_done:
+            elif not reply.is_done:
                 # A sleeper looks again at least every RECHECK_S and takes the reading itself if
                 # it is free, so a hand-over lost to a bug costs 50 ms, not a hang. (The one seen:
                 # a reconnect cleared the slots of threads asleep on the lost connection before
                 # its reader had failed them; reconnects now fail them under _mutex, waking them.)
                 if self.timeout_s is None:
-                    wakeup.acquire(timeout=RECHECK_S)
+                    waker.sleep(RECHECK_S)
                     continue
                 deadline = deadline or time.monotonic() + self.timeout_s
                 left_s = deadline - time.monotonic()
-                if not wakeup.acquire(timeout=max(0.0, min(left_s, RECHECK_S))) and left_s <= 0:
+                if left_s <= 0:
                     raise TimeoutError
+                waker.sleep(min(left_s, RECHECK_S))
                 continue
             if reply.error is not None:
                 raise reply.error
@@ -487,13 +539,16 @@ class Client:
                             self._is_reading = False
                         return
                 finally:
-                    mutex.release()
+                    if self._wakes:
+                        self._release_and_wake()
+                    else:  # (a lone caller's usual end: nobody to wake)
+                        mutex.release()
         except TimeoutError:  # (the caller closes the client, failing the others)
-            with mutex:
+            with self._locked():
                 self._stop_reading(sock)
             raise
         except DisconnectedError as exc:
-            with mutex:
+            with self._locked():
                 # Fail what was sent on this socket, unless a reconnect or close dropped it
                 # (and failed those already): the slots now in flight are the new session's,
                 # e.g. a reconnect's hello, sent while this reader still held the reading.
@@ -502,10 +557,29 @@ class Client:
                 self._stop_reading(sock)
             raise
         except BaseException as exc:  # a reply we cannot place: the stream is out of step
-            with mutex:
+            with self._locked():
                 self._stop_reading(sock)
             self._shut(f"the session is out of step: {exc}")
             raise
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """_mutex held for the block, then the threads it finished or handed the reading to
+        woken (woken under _mutex, a thread would block on it at once)."""
+        self._mutex.acquire()
+        try:
+            yield
+        finally:
+            self._release_and_wake()
+
+    def _release_and_wake(self) -> None:
+        """Release _mutex, then wake the threads queued in _wakes while it was held."""
+        wakes = self._wakes
+        if wakes:
+            self._wakes = []
+        self._mutex.release()
+        for waker in wakes:
+            waker.wake()
 
     def _stop_reading(self, sock: socket.socket | None) -> None:
         """Give up the reading: close the socket if it was dropped meanwhile, else wake one
@@ -516,9 +590,9 @@ class Client:
             sock.close()
             self._orphan_socket = None
         for pending in list(self._pending.values()):
-            if pending.wakeup is not None:
-                if pending.wakeup.locked():
-                    pending.wakeup.release()
+            if pending.waker is not None:
+                self._wakes.append(pending.waker)
+                pending.waker = None
                 return
 
     def _deliver(self, request_id: int | None, pending: _Reply | None, value: Any) -> None:
@@ -541,12 +615,12 @@ class Client:
         for request_id in list(self._pending):
             self._finish(self._pending.pop(request_id), None, DisconnectedError(reason))
 
-    @staticmethod
-    def _finish(reply: _Reply, value: Any, error: BaseException | None) -> None:
-        """Fill `reply` and wake its thread if it sleeps. Under _mutex."""
+    def _finish(self, reply: _Reply, value: Any, error: BaseException | None) -> None:
+        """Fill `reply` and have its thread woken if it sleeps. Under _mutex."""
         reply.value, reply.error, reply.is_done = value, error, True
-        if reply.wakeup is not None and reply.wakeup.locked():
-            reply.wakeup.release()
+        if reply.waker is not None:
+            self._wakes.append(reply.waker)
+            reply.waker = None
 
     def _reconnect_once(self, reply: _Reply, lost: DisconnectedError) -> None:
         """Reconnect after `lost` unless another thread did since `reply` was sent; raise if the
@@ -594,7 +668,7 @@ class Client:
         deadline = time.monotonic() + self.reconnect_timeout_s
         delay_s = 0.02
         while True:
-            with self._mutex:
+            with self._locked():
                 # (Whatever is in flight was sent on the lost connection: a reader of it may not
                 # have seen it end yet, and must not fail the new session's hello in its stead.)
                 self._fail_pending(str(lost))
@@ -618,7 +692,7 @@ class Client:
     def _shut(self, reason: str) -> None:
         """Close the session for good (`reason` is what later calls say): every request in
         flight fails with DisconnectedError, a thread reading replies wakes to end of file."""
-        with self._mutex:
+        with self._locked():
             if self._closed_because is None:
                 self._closed_because = reason
             self._fail_pending(str(self._closed_error()))

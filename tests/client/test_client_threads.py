@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import signal
 import threading
 import time
@@ -167,3 +168,89 @@ def test_a_restart_is_reconnected_once_and_told_to_every_thread_once(kvd_daemon)
         assert (stats["owned"], stats["sealed"]) == (0, 0)  # no pin leaked, none released twice
     finally:
         client.close()
+
+
+def _voluntary_switches_per_request(clients: list[kvd.Client], num_rounds: int) -> float:
+    """4 threads, thread i on clients[i % len(clients)], each num_rounds of alloc → seal →
+    release (3 requests): this process's voluntary context switches per request."""
+    def work(index: int) -> None:
+        client = clients[index % len(clients)]
+        for _ in range(num_rounds):
+            block_ids = client.alloc(1)
+            client.seal(block_ids, [os.urandom(16)])
+            client.release(block_ids)
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+    run_threads(work, 4)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before) / (4 * num_rounds * 3)
+
+
+def test_threads_sharing_a_client_on_one_cpu_block_about_as_often_as_with_a_client_each(
+        kvd_daemon):
+    """A thread handed its reply (or the reading) is woken without the GIL held by its waker
+    (kvd.client._Waker). Woken by a Lock released with the GIL held, it would run at once on
+    the same CPU, block on the GIL, and the two would trade the CPU several times per request:
+    ~5x the voluntary switches of threads with a client each, where the kernel wakes each
+    thread in its own recv. That shows with the threads on one CPU and the daemon on another
+    (as bench/client_threads.py places them); on the daemon's CPU they interleave with it."""
+    saved = os.sched_getaffinity(0)
+    if len(saved) < 2:
+        pytest.skip("needs 2 CPUs: one for the daemon, one for the client's threads")
+    daemon_cpu, client_cpu = sorted(saved)[:2]
+    shared = kvd_daemon.connect()
+    own = [kvd_daemon.connect() for _ in range(4)]
+    try:
+        os.sched_setaffinity(kvd_daemon.proc.pid, {daemon_cpu})
+        os.sched_setaffinity(0, {client_cpu})  # (the threads started below inherit it)
+        per_request: dict[str, list[float]] = {"shared": [], "own": []}
+        for _ in range(3):  # in turns, so a busy host weighs on both alike
+            per_request["shared"].append(_voluntary_switches_per_request([shared], 100))
+            per_request["own"].append(_voluntary_switches_per_request(own, 100))
+    finally:
+        os.sched_setaffinity(0, saved)
+        for client in (shared, *own):
+            client.close()
+    shared_median, own_median = (sorted(values)[1] for values in per_request.values())
+    assert shared_median <= 2 * own_median, per_request
+
+
+def test_a_wakeup_left_over_only_ends_a_sleep_early(kvd_daemon):
+    """A thread's wake-up that came after it had stopped waiting makes its next sleep return at
+    once; it looks again and sleeps on, and still gets its own reply."""
+    client = kvd_daemon.connect()
+    results: dict[str, object] = {}
+    try:
+        kvd_daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            reader = threading.Thread(target=lambda: results.update(reader=client.stats()))
+            reader.start()
+            deadline = time.monotonic() + 10
+            while not client._is_reading:  # the other thread is in recv: we will sleep
+                assert time.monotonic() < deadline, "the first thread never started reading"
+                time.sleep(0.001)
+            kvd.client._waker().wake()  # (as if a wake-up meant for an earlier call came late)
+            threading.Timer(0.2, kvd_daemon.proc.send_signal, [signal.SIGCONT]).start()
+            results["sleeper"] = client.alloc(1)
+            reader.join(10)
+        finally:
+            kvd_daemon.proc.send_signal(signal.SIGCONT)
+        assert results["reader"]["num_blocks"] == SMALL_GEOMETRY["num_blocks"]
+        assert len(results["sleeper"]) == 1
+    finally:
+        client.close()
+
+
+def test_a_forked_child_wakes_its_own_threads_never_the_parents():
+    """Threads sleep on an eventfd of their own; a forked child inherits the parent's, so the
+    child must make new ones, or a wake-up in the child would end a sleep in the parent."""
+    waker = kvd.client._waker()
+    pid = os.fork()
+    if pid == 0:  # the child: wake "this thread's" waker, and leave at once
+        try:
+            kvd.client._waker().wake()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    started = time.monotonic()
+    waker.sleep(0.2)
+    assert time.monotonic() - started >= 0.15, "the child's wake-up reached the parent"

@@ -384,7 +384,7 @@ class Client:
                 raise
             self._reconnect_once(reply, lost)
         self._seen.session = self._session
-        if self._after_restart(op, reply.session[1], "during"):
+        if self._after_restart(op, reply.session[1], "during", args):
             return None
         try:
             return self._request(op, args, _Reply())
@@ -395,7 +395,7 @@ class Client:
                 self._shut(f"the daemon went away again: {lost}")
             raise
 
-    def _notice(self, op: str) -> bool:
+    def _notice(self, op: str, args: dict[str, Any]) -> bool:
         """If this thread has not called since a reconnect (another thread's), tell it of the
         restart now, as the call that noticed it is told, since its pins, blocks and sequences
         died as well (and their ids may name the new session's blocks). A thread's first call
@@ -405,9 +405,10 @@ class Client:
         if seen is self._session:
             return False
         self._seen.session = self._session
-        return self._after_restart(op, seen[1], "before")
+        return self._after_restart(op, seen[1], "before", args)
 
-    def _after_restart(self, op: str, segment_uuid: bytes | None, when: str) -> bool:
+    def _after_restart(self, op: str, segment_uuid: bytes | None, when: str,
+                       args: dict[str, Any]) -> bool:
         """Apply the restart rules (module docstring) to `op`, sent or about to be sent `when`
         the daemon restarted, by a caller who last saw segment `segment_uuid`. Returns True if
         the op is done (SATISFIED_BY_RESTART), False if it is to be sent (RETRIED_OPS)."""
@@ -425,6 +426,8 @@ class Client:
                 f"the kvd daemon restarted {when} {op!r}: this session's pins, unsealed blocks "
                 "and sequences are gone (sealed blocks survive a --recover restart: look them "
                 "up again); the client is reconnected")
+        if not self.info.get("remote"):  # (restarted without its tier: lookup's split is gone)
+            args.pop("remote", None)
         return False
 
     def _request(self, op: str, args: dict[str, Any], reply: _Reply) -> Any:
@@ -434,7 +437,7 @@ class Client:
         send_lock = self._send_lock
         send_lock.acquire()  # (locks are taken without `with` here: 0.2 µs less each, timeit
         try:  # on the CPython 3.11 we run, where a request costs the client ~5 µs)
-            if self.num_reconnects and self._notice(op):
+            if self.num_reconnects and self._notice(op, args):
                 return None
             self._send(op, args, reply)
         finally:

@@ -5,6 +5,7 @@ restarted empty, evicting), each asserting zero failed client requests and zero 
 from __future__ import annotations
 
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 import kvd
-from conftest import SMALL_GEOMETRY, DaemonHandle
+from conftest import SMALL_GEOMETRY, DaemonHandle, start_daemon_process
 from kvd.errors import BadArgsError
 from kvd.geometry import Geometry
 from kvd.hashing import hash_blocks
@@ -212,6 +213,25 @@ def test_a_prompt_prefilled_on_one_host_is_a_hit_on_another(daemon_factory, redi
         text = kvd_cli("stats", "--name", host_b.name).stdout
         assert re.search(r"remote hit blocks \(of prefix hits\) +9 of", text), text
         assert f"remote: {redis_empty.url}/0 up" in kvd_cli("status", "--name", host_b.name).stdout
+
+
+def test_a_lookup_after_a_restart_without_the_tier_is_retried_plainly(daemon_factory,
+                                                                      redis_empty):
+    """The first lookup after a --recover restart that dropped --remote was built for a tier
+    (`remote: 1`): its retry goes without it, since the new daemon refuses the argument."""
+    host = remote_daemon(daemon_factory, redis_empty.url)
+    with host.connect() as client:
+        prefill(client, tag=1, num_blocks=3)
+        hashes = hash_blocks(prompt(1, 3), BLOCK)
+        host.proc.send_signal(signal.SIGKILL)
+        host.proc.wait(20)
+        host.proc = start_daemon_process(host.name, host.log_path, ["--recover"],
+                                         **SMALL_GEOMETRY)
+        host.wait_ready()
+        found = client.lookup(hashes)  # (sent as for a tier, lost, retried)
+        assert len(found) == 3 and found.num_remote == 0
+        assert client.num_reconnects == 1 and client.info["remote"] is False
+        client.release(found)
 
 
 def test_corrupt_values_are_misses_deleted_and_counted(daemon_factory, redis_empty):

@@ -34,7 +34,8 @@ from kvd import native
 
 # In the order they run: the control plane first, while the machine is quietest.
 BENCHES = ("control_plane", "request_path", "scaling", "data_plane", "e2e", "policies",
-           "hit_ratio", "pool", "hashing", "recovery", "journal_commit", "seal_throughput",
+           "hit_ratio", "pool", "hashing", "recovery", "journal_commit", "pool_journals",
+           "seal_throughput",
            "transformers_e2e", "embedded", "client_threads", "arena_waste",
             "hostile", "remote")
 

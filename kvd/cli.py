@@ -60,7 +60,8 @@ def _add_start(subparsers: Any) -> None:
     size.add_argument("--num-blocks", type=int, help="blocks in the pool")
     size.add_argument("--memory", type=parse_nbytes, help="pool size, e.g. 2G (default 512M)")
     parser.add_argument("--config", metavar="KVD_TOML",
-                        help="pools (and memory, policy) from a TOML file: see docs/pools.md")
+                        help="pools (and memory, policy, [remote]) from a TOML file: see "
+                             "docs/pools.md")
     parser.add_argument("--pool", action="append", default=[], metavar="NAME:KEY=V,...",
                         help="a pool: NAME:layers=L,kv-heads=H,head-dim=D,dtype=T,block-size=B"
                              "[,parts=1][,window=W]; repeat for several sharing --memory")
@@ -148,15 +149,14 @@ def cmd_start(args: argparse.Namespace) -> int:
             if spec.policy is not None:
                 _check_policy(f"--tiers {name}=...:POLICY", spec.policy)
     paths = DaemonPaths.for_name(args.name, args.socket)
-    pools, memory, policy, models = _pools(args)
+    pools, memory, policy, models, remote = _pools(args)
     geometry = pools[0].shape if pools else _geometry(args)
     _raise_fd_limit()
     config = DaemonConfig(paths, geometry, policy, tiers=args.tiers,
                           metrics_port=args.metrics_port, state_dir=args.state_dir,
                           recover=args.recover, journal=not args.no_journal,
                           pools=tuple(pools), budget_nbytes=memory, models=tuple(models),
-                          limits=_limits(args),
-                          remote=args.remote, **_remote_timeout(args))
+                          limits=_limits(args), **remote)
     if args.detach:
         return _detach(config, args.log_level)
     _setup_logging(args.log_level, sys.stderr)
@@ -166,22 +166,29 @@ def cmd_start(args: argparse.Namespace) -> int:
     return 0
 
 
-def _remote_timeout(args: argparse.Namespace) -> dict[str, int]:
-    """--remote-timeout-ms if given (DaemonConfig has the default)."""
-    if args.remote_timeout_ms is None:
-        return {}
-    if args.remote is None:
-        raise BadArgsError("--remote-timeout-ms needs --remote")
-    return {"remote_timeout_ms": args.remote_timeout_ms}
+def _remote(args: argparse.Namespace, file: dict[str, Any]) -> dict[str, Any]:
+    """DaemonConfig's remote and remote_timeout_ms from the flags, else the config's [remote]
+    (DaemonConfig has the default timeout)."""
+    url = args.remote if args.remote is not None else file["url"]
+    timeout_ms = (args.remote_timeout_ms if args.remote_timeout_ms is not None
+                  else file["timeout_ms"])
+    if timeout_ms is None:
+        return {"remote": url}
+    if url is None:
+        raise BadArgsError("--remote-timeout-ms (or [remote] timeout_ms) needs --remote (or "
+                           "[remote] url in --config)")
+    return {"remote": url, "remote_timeout_ms": timeout_ms}
 
 
-def _pools(args: argparse.Namespace) -> tuple[list[PoolSpec], int, str, list[ModelSpec]]:
-    """`--config`, `--pool` and `--model`: (pools, budget, policy, models); no pools for the
-    single-pool flags."""
+def _pools(args: argparse.Namespace
+           ) -> tuple[list[PoolSpec], int, str, list[ModelSpec], dict[str, Any]]:
+    """`--config`, `--pool`, `--model` and the remote tier's flags: (pools, budget, policy,
+    models, DaemonConfig's remote settings); no pools for the single-pool flags."""
     from kvd.server.config import parse_model_flag, parse_pool_flag, read_config
 
-    file = read_config(args.config) if args.config else {"pools": [], "memory": None,
-                                                         "policy": None, "models": []}
+    file = read_config(args.config) if args.config else {
+        "pools": [], "memory": None, "policy": None, "models": [],
+        "remote": {"url": None, "timeout_ms": None}}
     pools = [*file["pools"], *(parse_pool_flag(text) for text in args.pool)]
     models = [*file["models"], *(parse_model_flag(text) for text in args.model)]
     if pools and args.num_blocks is not None:
@@ -193,7 +200,8 @@ def _pools(args: argparse.Namespace) -> tuple[list[PoolSpec], int, str, list[Mod
             str(file["memory"]))
     policy = args.policy if args.policy != "default" or not file["policy"] else file["policy"]
     _check_policy("policy", policy)
-    return pools, 512 << 20 if memory is None else memory, policy, models
+    return (pools, 512 << 20 if memory is None else memory, policy, models,
+            _remote(args, file["remote"]))
 
 
 def _check_policy(flag: str, name: str) -> None:
@@ -391,11 +399,14 @@ def _remote_rows(stats: dict[str, Any]) -> list[tuple[str, Any]]:
     remote = stats.get("remote")
     if remote is None:
         return []
-    hit_blocks = remote["hit_blocks"]
+    pools = stats.get("pools") or {"default": stats}
+    each_pool = [(f"pool {name}: remote hit blocks", _hits_of(each["remote"], each))
+                 for name, each in pools.items() if len(pools) > 1 and "remote" in each]
     return [
         ("remote tier", _remote_summary(remote)),
-        ("remote hit blocks (of prefix hits)", f"{hit_blocks} of {stats['hit_blocks']} "
-                                               f"(local {stats['hit_blocks'] - hit_blocks})"),
+        ("remote hit blocks (of prefix hits)", _hits_of(remote, {"hit_blocks": sum(
+            each["hit_blocks"] for each in pools.values())})),
+        *each_pool,
         ("remote fetches / declined / timeouts",
          f"{remote['fetches']} / {remote['declined']} / {remote['timeouts']}"),
         ("remote blocks fetched / missed / corrupt",
@@ -407,6 +418,11 @@ def _remote_rows(stats: dict[str, Any]) -> list[tuple[str, Any]]:
         ("remote errors (fetch / write blocks)",
          f"{remote['fetch_errors']} / {remote['write_errors']}"),
     ]
+
+
+def _hits_of(remote: dict[str, Any], pool: dict[str, Any]) -> str:
+    hit_blocks = remote["hit_blocks"]
+    return f"{hit_blocks} of {pool['hit_blocks']} (local {pool['hit_blocks'] - hit_blocks})"
 
 
 def _block_rows(stats: dict[str, Any], prefix: str) -> list[tuple[str, Any]]:

@@ -56,6 +56,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,7 +84,8 @@ RETRIED_OPS = frozenset({"stats", "lookup", "alloc", "seq_open"})
 # These only drop pins, which the restart dropped already: they succeed.
 SATISFIED_BY_RESTART = frozenset({"release", "seq_close"})
 # Everything else names blocks or sequences of the lost session (seal, pin, seq_extend,
-# seq_commit, seq_fork, shutdown) and raises DisconnectedError after reconnecting.
+# seq_commit, seq_fork, shutdown) and raises DisconnectedError after reconnecting. An op
+# addressed to a pool or a model (OP@NAME) follows its OP's rule.
 _live_clients: weakref.WeakSet[Client] = weakref.WeakSet()
 
 
@@ -103,7 +105,8 @@ class Sequence:
 
     `num_cached_tokens` tokens at the start were found in the cache when it was opened: their KV
     is already in the blocks, so prefill starts there. `num_remote_tokens` of them came from the
-    daemon's remote tier (`kvd start --remote`) for this open.
+    daemon's remote tier (`kvd start --remote`) for this open. On a sliding-window pool the table
+    holds -1 where the daemon released a block outside the window (as a ModelSequence's does).
     """
 
     seq_id: int
@@ -115,6 +118,18 @@ class Sequence:
     is_closed: bool = field(default=False, repr=False)
     epoch: int = field(default=0, repr=False)  # the client's num_reconnects when opened
     pool: str | None = None  # the pool it was opened on (None: the session's)
+    # leading blocks shared with a fork (a window pool keeps them while any sharer lives)
+    num_shared_blocks: int = field(default=0, repr=False)
+
+
+class BlockIds(list[int]):
+    """A lookup's block ids (a list), and `num_remote`: how many of them the daemon's remote
+    tier (`kvd start --remote`) fetched for this lookup (after the local prefix); the others
+    were cached locally."""
+
+    def __init__(self, block_ids: Iterable[int] = (), num_remote: int = 0) -> None:
+        super().__init__(block_ids)
+        self.num_remote = num_remote
 
 
 @dataclass
@@ -129,8 +144,12 @@ class ModelSequence:
     num_tokens: int
     num_cached_tokens: int = 0
     num_sealed_blocks: int = 0
+    num_remote_tokens: int = 0  # of num_cached_tokens, those the remote tier supplied
     is_closed: bool = field(default=False, repr=False)
     epoch: int = field(default=0, repr=False)
+    # pool name → leading blocks shared with a fork (the daemon keeps them while any sharer
+    # lives, so the table shows them even outside the window; kvd/core/page_table.py)
+    num_shared_blocks: dict[str, int] = field(default_factory=dict, repr=False)
 
 
 class _Reply:
@@ -345,9 +364,10 @@ class Client:
                 "nothing cached survived, and views and `pool` taken before show the old, "
                 "unlinked memory (writes there reach nobody): take them again; the client is "
                 "reconnected")
-        if op in SATISFIED_BY_RESTART:
+        kind = op.partition("@")[0]  # (OP@POOL and OP@MODEL follow OP's rule)
+        if kind in SATISFIED_BY_RESTART:
             return True
-        if op not in RETRIED_OPS:
+        if kind not in RETRIED_OPS:
             raise DisconnectedError(
                 f"the kvd daemon restarted {when} {op!r}: this session's pins, unsealed blocks "
                 "and sequences are gone (sealed blocks survive a --recover restart: look them "
@@ -761,10 +781,16 @@ class Client:
             args["tiers"] = _ints(tiers, "tiers")
         return self._call("seal" if pool is None else f"seal@{pool}", args)
 
-    def lookup(self, hashes: SequenceOf[bytes], pool: str | None = None) -> list[int]:
-        """Block ids of the longest cached prefix of `hashes`, pinned for this session."""
-        return self._call("lookup" if pool is None else f"lookup@{pool}",
-                          {"hashes": _list(hashes, "hashes")})
+    def lookup(self, hashes: SequenceOf[bytes], pool: str | None = None) -> BlockIds:
+        """Block ids of the longest cached prefix of `hashes`, pinned for this session (a list;
+        its `num_remote`: how many of them the daemon's remote tier supplied for this call)."""
+        args: dict[str, Any] = {"hashes": _list(hashes, "hashes")}
+        if self.info.get("remote"):  # (a daemon without a tier has nothing to split)
+            args["remote"] = 1
+        reply = self._call("lookup" if pool is None else f"lookup@{pool}", args)
+        if type(reply) is dict:
+            return BlockIds(reply["block_ids"], reply["num_remote"])
+        return BlockIds(reply)
 
     def pin(self, block_ids: SequenceOf[int], pool: str | None = None) -> None:
         """One more pin on each sealed block (to share it)."""
@@ -821,6 +847,7 @@ class Client:
                       ).block_size
         seq.num_sealed_blocks = max(seq.num_sealed_blocks, num_computed // block_size)
         seq.block_ids.extend(new_ids)
+        self._mark_released(seq.block_ids, seq.num_shared_blocks, seq.pool, num_computed)
         seq.num_tokens += len(data) // 4
         return new_ids
 
@@ -833,6 +860,7 @@ class Client:
         num_sealed = self._call(_op("seq_commit", seq.pool), {"seq_id": seq.seq_id,
                                                               "num_computed": num_computed})
         seq.num_sealed_blocks += num_sealed
+        self._mark_released(seq.block_ids, seq.num_shared_blocks, seq.pool, num_computed)
         return num_sealed
 
     def fork_sequence(self, seq: Sequence) -> Sequence:
@@ -840,9 +868,12 @@ class Client:
         self._check_writer("fork_sequence")
         self._check_live(seq)
         reply = self._call(_op("seq_fork", seq.pool), {"seq_id": seq.seq_id})
+        # Both now share the parent's sealed blocks (the child has no sealed block of its own).
+        seq.num_shared_blocks = reply["num_sealed_blocks"]
         return Sequence(reply["seq_id"], reply["block_ids"], reply["num_tokens"],
                         seq.num_cached_tokens, reply["num_sealed_blocks"],
-                        epoch=self.num_reconnects, pool=seq.pool)
+                        epoch=self.num_reconnects, pool=seq.pool,
+                        num_shared_blocks=reply["num_sealed_blocks"])
 
     def close_sequence(self, seq: Sequence) -> None:
         """Release the sequence's blocks (sealed ones stay cached for others)."""
@@ -857,22 +888,28 @@ class Client:
         """Open a sequence in every pool of `model` (one round trip): the longest prefix every
         pool serves (a sliding-window pool: the window before it) is reused, the rest allocated.
         """
+        self._check_writer("open_model_sequence")
         args: dict[str, Any] = {"tokens": token_bytes(token_ids), "salt": salt}
         if max_cached_tokens is not None:
             args["max_cached_tokens"] = _int(max_cached_tokens, "max_cached_tokens")
         reply = self._call(f"seq_open@{model}", args)
+        return self._model_sequence(reply, model, reply["num_cached_tokens"])
+
+    def _model_sequence(self, reply: dict[str, Any], model: str, num_cached_tokens: int
+                        ) -> ModelSequence:
         pools = reply["pools"]
         return ModelSequence(reply["seq_id"], model,
                              {name: each["block_ids"] for name, each in pools.items()},
-                             reply["num_tokens"], reply["num_cached_tokens"],
+                             reply["num_tokens"], num_cached_tokens,
                              min(each["num_sealed_blocks"] for each in pools.values()),
-                             epoch=self.num_reconnects)
+                             reply.get("num_remote_tokens", 0), epoch=self.num_reconnects)
 
     def extend_model_sequence(self, seq: ModelSequence, token_ids: Any,
                               num_computed: int | None = None) -> dict[str, list[int]]:
         """Append tokens in every pool of the model, first committing `num_computed` (default:
         the tokens before this call); returns each pool's new block ids. Window pools release
         the blocks wholly before the window of token `num_computed` (marked -1 here)."""
+        self._check_writer("extend_model_sequence")
         self._check_live(seq)
         data = token_bytes(token_ids)
         num_computed = (seq.num_tokens if num_computed is None
@@ -882,7 +919,7 @@ class Client:
         for name, ids in new_ids.items():
             table = seq.block_ids[name]
             table.extend(ids)
-            self._mark_released(name, table, num_computed)
+            self._mark_released(table, seq.num_shared_blocks.get(name, 0), name, num_computed)
             seq.num_sealed_blocks = max(seq.num_sealed_blocks,
                                         num_computed // self._geometry_of(name).block_size)
         seq.num_tokens += len(data) // 4
@@ -891,21 +928,39 @@ class Client:
     def commit_model_sequence(self, seq: ModelSequence, num_computed: int | None = None
                               ) -> dict[str, int]:
         """Seal the full blocks below `num_computed` (default all) in every pool."""
+        self._check_writer("commit_model_sequence")
         self._check_live(seq)
         num_computed = (seq.num_tokens if num_computed is None
                         else _int(num_computed, "num_computed"))
         sealed = self._call(f"seq_commit@{seq.model}", {"seq_id": seq.seq_id,
                                                         "num_computed": num_computed})
         for name, table in seq.block_ids.items():
-            self._mark_released(name, table, num_computed)
+            self._mark_released(table, seq.num_shared_blocks.get(name, 0), name, num_computed)
         seq.num_sealed_blocks += min(sealed.values())
         return sealed
 
-    def _mark_released(self, pool: str, table: list[int], num_computed: int) -> None:
-        window = self._geometry_of(pool).window
-        if window is not None:
-            end = num_outside_window(num_computed, window, self._geometry_of(pool).block_size)
-            table[:end] = [-1] * min(end, len(table))
+    def _mark_released(self, table: list[int], num_shared: int, pool: str | None,
+                       num_computed: int) -> None:
+        """Mark -1 in a block table of `pool` (None: the session's) what a window pool released:
+        the blocks before the window of `num_computed`, but for the `num_shared` first (shared
+        with a fork)."""
+        geometry = self.geometry if pool is None else self._geometry_of(pool)
+        if geometry.window is not None:
+            end = min(num_outside_window(num_computed, geometry.window, geometry.block_size),
+                      len(table))
+            table[num_shared:end] = [-1] * max(end - num_shared, 0)
+
+    def fork_model_sequence(self, seq: ModelSequence) -> ModelSequence:
+        """A new sequence of the same model sharing `seq`'s sealed blocks in every pool; its
+        unsealed blocks are copies (one round trip, all pools or none)."""
+        self._check_writer("fork_model_sequence")
+        self._check_live(seq)
+        reply = self._call(f"seq_fork@{seq.model}", {"seq_id": seq.seq_id})
+        child = self._model_sequence(reply, seq.model, seq.num_cached_tokens)
+        # Both now share the parent's sealed blocks (the child has no sealed block of its own).
+        seq.num_shared_blocks = child.num_shared_blocks = {
+            name: each["num_sealed_blocks"] for name, each in reply["pools"].items()}
+        return child
 
     def close_model_sequence(self, seq: ModelSequence) -> None:
         """Release the sequence's blocks in every pool (sealed ones stay cached)."""

@@ -190,15 +190,7 @@ class PageTable:
         """For k in 0..len(hashes): whether this pool holds what a hit of k blocks needs (all k
         blocks; a window pool the last `window_blocks` of them). Pins nothing."""
         find = self.pool.find
-        present = [find(key) is not None for key in hashes]
-        if self.window_blocks is None:
-            num_leading = present.index(False) if False in present else len(present)
-            return [k <= num_leading for k in range(len(hashes) + 1)]
-        ok, run = [True], 0  # run: present blocks ending at k
-        for k, is_present in enumerate(present, 1):
-            run = run + 1 if is_present else 0
-            ok.append(run >= min(k, self.window_blocks))
-        return ok
+        return servable_of([find(key) is not None for key in hashes], self.window_blocks)
 
     def pin_hit(self, tokens: bytes, salt: bytes, hashes: list[bytes], num_hit: int,
                 seq_id: int) -> SequenceRecord:
@@ -386,6 +378,19 @@ class PageTable:
     def owners(self) -> set[int]:
         """Pool owners that are neither sequences nor sessions: live runs and queued releases."""
         return set(self.runs) | {owner for _, owner, _ in self._deferred}
+
+
+def servable_of(present: list[bool], window_blocks: int | None) -> list[bool]:
+    """`PageTable.servable` of a pool holding the blocks `present` says it holds (the remote
+    tier asks it of blocks not fetched yet, kvd/server/remote)."""
+    if window_blocks is None:
+        num_leading = present.index(False) if False in present else len(present)
+        return [k <= num_leading for k in range(len(present) + 1)]
+    ok, run = [True], 0  # run: present blocks ending at k
+    for k, is_present in enumerate(present, 1):
+        run = run + 1 if is_present else 0
+        ok.append(run >= min(k, window_blocks))
+    return ok
 
 
 def longest_hit(servables: list[list[bool]]) -> int:

@@ -12,7 +12,9 @@ Contract
   over the row's real tokens: pads are neither hashed nor stored, so a row reuses the cached
   prefix of its own tokens whatever its padding, and seals its own blocks. Rows do not share
   blocks they compute in the same batch: both compute them, the first row's seal is kept and
-  the other's copy freed.
+  the other's copy freed. A hybrid model (`kvd_model=`) takes batches alike: each row is a
+  sequence of the daemon model, its prefix hit served by every pool, and in decode it holds at
+  most ceil(W / B) + 1 blocks of the window pool.
   `generate_with_kvd` also takes a list of prompts of different lengths and pads them itself.
 - **Beam search** (`num_beams > 1`) is not supported and raises `kvd.BadArgsError`: beams are
   reordered in place every step, while a row's sealed blocks are shared and read-only. Use greedy
@@ -36,14 +38,17 @@ Contract
 Theory of operation
 -------------------
 A `KvdCache` over a batch of b rows is b kvd sequences, one per row, for a decoder-only model
-whose layers are all full attention (Llama, Mistral, Qwen2, ...), or over one row of a hybrid
-model (Gemma 2: sliding-window and full-attention layers) with `kvd_model=`, a daemon model
-whose pool without a window holds the full-attention layers and whose window pool the sliding
-ones: the row is then one sequence spanning both (one block table each). A sliding layer returns
-the K/V of the `window - 1` columns before the forward's and of its own, and the mask sizes that
-say so, as DynamicSlidingWindowLayer does; the row tells the daemon its tokens whenever a window
-block falls wholly before the window of the token computed next (a round trip a block), and the
-window pool releases it, so decode holds at most ceil(W / B) + 1 window blocks::
+whose layers are all full attention (Llama, Mistral, Qwen2, ...), or for a hybrid model (Gemma 2:
+sliding-window and full-attention layers) with `kvd_model=`, a daemon model whose pool without a
+window holds the full-attention layers and whose window pool the sliding ones: each row is then
+one sequence spanning both (one block table each). A sliding layer returns the K/V of the
+`window - 1` columns before the forward's and of its own, and the mask sizes that say so, as
+DynamicSlidingWindowLayer does (transformers builds one sliding mask per forward from the first
+sliding layer's sizes, over columns: with left padding a column's distance is its row's token
+distance, so the window is per row and the columns are every row's); each row tells the daemon
+its tokens whenever a window block falls wholly before the window of the row's token computed
+next (a round trip a block), and the window pool releases it, so in decode each row holds at
+most ceil(W / B) + 1 window blocks::
 
     KvdCache(client, model, ids)     open_sequence(row's real tokens) per row: one round trip
                                      hashes the row's full blocks, pins its longest cached prefix
@@ -74,7 +79,11 @@ tail decides the width — the width a batch of the uncached tails alone would h
 tail is shorter recomputes some of its cached tokens in [L, p_i + c_i); those K/V are not stored
 (its blocks are sealed and shared) and attention reads the cached ones. Pads are never stored:
 their columns read the row's token 0, finite K/V that the attention mask hides (a NaN there
-would leak through a zero weight).
+would leak through a zero weight). In a window pool a row's token 0, and the cached tokens such a
+row recomputes, may lie in blocks the pool released (a prefix hit holds only the window before
+the hit point): those columns read the row's first token still held, since a released block
+may already hold another sequence's K/V, half written. The sliding mask hides them: the row's
+computed tokens attend only to tokens at or after c_i - W + 1, which the hit holds.
 
 Memory layout. The pool is (num_blocks, num_layers, 2, B, H, D), so viewed as rows of (H, D)
 it is one flat array where token t of a sequence has row block_ids[t // B] * (num_layers * 2 * B)
@@ -96,6 +105,7 @@ memory; `close()` drops the views first.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import warnings
@@ -256,7 +266,7 @@ class _FlatPool:
     block_rows: int  # num_layers * 2 * block_size
 
     def base(self, block_id: int) -> int:
-        slab, index = divmod(max(block_id, 0), self.blocks_per_slab)  # (a HOLE is never read)
+        slab, index = divmod(block_id, self.blocks_per_slab)
         return slab * self.slab_rows + index * self.block_rows
 
 
@@ -382,9 +392,21 @@ class _Row:
 
     def slots(self, start: int, stop: int, flat: _FlatPool, pool: str | None = None
               ) -> list[int]:
-        """Flat pool rows of tokens [start, stop) for layer 0's keys."""
+        """Flat pool rows of tokens [start, stop) for layer 0's keys.
+
+        A token in a block the window pool released (HOLE) reads the row's first held token
+        instead: K/V of the row's own, finite, that the sliding-window mask hides. Only a batch
+        reads such columns (a row whose cached prefix is longer than the forward's first
+        column recomputes cached tokens, and its pads read token 0), and a released block may
+        already hold another sequence's K/V, being written.
+        """
         block_ids, block_size, base = self.table(pool), self.block_size, flat.base
-        return [base(block_ids[t // block_size]) + t % block_size for t in range(start, stop)]
+        early: list[int] = []
+        if start < stop and block_ids[start // block_size] == HOLE:  # (holes lead the table)
+            num_holes = bisect.bisect(block_ids, False, key=lambda block: block != HOLE)
+            early = [base(block_ids[num_holes])] * (min(stop, num_holes * block_size) - start)
+        return early + [base(block_ids[t // block_size]) + t % block_size
+                        for t in range(start + len(early), stop)]
 
     def publish(self, num_computed: int) -> None:
         """Seal every full block below `num_computed` tokens.
@@ -566,11 +588,11 @@ class KvdCache(Cache):
                 `generate` the same mask.
             salt: hashing namespace; default `model_salt(model)`.
             kvd_model: a daemon model (`--model NAME:FULL,WINDOW`) whose pools hold this
-                model's full-attention and sliding-window layers (a hybrid model, e.g. Gemma 2:
-                one row per cache); None: every layer in the session's pool.
+                model's full-attention and sliding-window layers (a hybrid model, e.g. Gemma 2);
+                None: every layer in the session's pool.
         Raises:
             BadArgsError: the model does not fit the pool(s), or a row is empty or not
-                left-padded, or a hybrid model gets more than one row.
+                left-padded.
             NoSpaceError: the pool cannot hold the uncached blocks of every row.
         """
         if kvd_model is None:
@@ -580,10 +602,6 @@ class KvdCache(Cache):
         else:
             placement = list(model_pools(model, client, kvd_model))
         prompt = _prompt_rows(token_ids, attention_mask)
-        if kvd_model is not None and len(prompt) > 1:
-            # (rows with different cached prefixes would read window blocks a row released)
-            raise BadArgsError("a model with sliding-window layers runs one row per KvdCache: "
-                               "open one cache per prompt")
         salt = model_salt(model) if salt is None else salt
         self._rows = self._open_rows(client, prompt, salt, kvd_model)
         self.num_prompt_columns = len(prompt[0][0]) + prompt[0][1]

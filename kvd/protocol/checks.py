@@ -136,9 +136,10 @@ ARG_INT, ARG_INT_LIST, ARG_BYTES_LIST = 0, 1, 2
 ArgField = tuple[str, int, bool, int, "int | None", bool]
 
 
-def int_field(name: str, min_value: int, max_value: int | None) -> ArgField:
-    """A required `arg_int` argument."""
-    return (name, ARG_INT, True, min_value, max_value, False)
+def int_field(name: str, min_value: int, max_value: int | None,
+              is_required: bool = True) -> ArgField:
+    """An `arg_int` argument (absent optional ones are None)."""
+    return (name, ARG_INT, is_required, min_value, max_value, False)
 
 
 def int_list_field(name: str, max_len: int, max_value: int | None,

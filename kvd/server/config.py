@@ -28,6 +28,12 @@ full-attention layers in one pool and its sliding-window layers in another, with
         [models.gemma]
         pools = ["gemma-full", "gemma-window"]
 
+The remote tier (docs/remote.md) has a table of its own, each key a flag's (which wins):
+
+        [remote]
+        url = "redis-cluster://10.0.0.5:6379,10.0.0.6:6379"   # --remote
+        timeout_ms = 50                                        # --remote-timeout-ms
+
 A key left out takes the single-pool flags' default (block-size 16, layers 8, kv-heads 8,
 head-dim 128, dtype float16, parts 2, no window). The single-pool flags alone make one pool
 named `default`. Every mistake is a BadArgsError that names the fix: an unknown key (the valid
@@ -54,7 +60,10 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,32}")
 POOL_KEYS: dict[str, str] = {
     "layers": "num_layers", "kv-heads": "num_kv_heads", "head-dim": "head_dim",
     "dtype": "dtype", "block-size": "block_size", "parts": "parts", "window": "window"}
-TOP_KEYS = ("memory", "policy", "pools", "models")
+TOP_KEYS = ("memory", "policy", "pools", "models", "remote")
+# [remote]'s keys → (the flag each stands for, its type)
+REMOTE_KEYS: dict[str, tuple[str, type]] = {"url": ("--remote", str),
+                                            "timeout_ms": ("--remote-timeout-ms", int)}
 
 
 @dataclass(frozen=True)
@@ -165,7 +174,8 @@ def _int(name: str, key: str, value: str) -> int:
 
 def read_config(path: str | Path) -> dict[str, Any]:
     """A `--config` TOML file as {"memory": ..., "policy": ..., "pools": [PoolSpec, ...],
-    "models": [ModelSpec, ...]} (memory and policy None where the file leaves them out)."""
+    "models": [ModelSpec, ...], "remote": {"url": ..., "timeout_ms": ...}} (memory, policy and
+    each remote key None where the file leaves them out)."""
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
@@ -186,7 +196,23 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise BadArgsError(f"config file {path}: write each model as a table [models.NAME]")
     return {"memory": data.get("memory"), "policy": data.get("policy"),
             "pools": [pool_spec(name, values) for name, values in pools.items()],
-            "models": [_model_table(path, name, values) for name, values in models.items()]}
+            "models": [_model_table(path, name, values) for name, values in models.items()],
+            "remote": _remote_table(path, data.get("remote", {}))}
+
+
+def _remote_table(path: Path, values: Any) -> dict[str, Any]:
+    """[remote]'s keys (module docstring), each None where left out."""
+    if not isinstance(values, dict):
+        raise BadArgsError(f"config file {path}: write the remote tier as a table [remote]")
+    unknown = sorted(set(values) - set(REMOTE_KEYS))
+    if unknown:
+        raise BadArgsError(f"config file {path}: [remote] has unknown keys {unknown}; valid: "
+                           f"{', '.join(REMOTE_KEYS)}")
+    for key, (flag, kind) in REMOTE_KEYS.items():
+        if key in values and type(values[key]) is not kind:
+            raise BadArgsError(f"config file {path}: [remote] {key} (as {flag}) must be a "
+                               f"{kind.__name__}, got {values[key]!r}")
+    return {key: values.get(key) for key in REMOTE_KEYS}
 
 
 def check_pools(pools: list[PoolSpec], budget_nbytes: int) -> list[PoolSpec]:

@@ -17,7 +17,7 @@ with `selectors`:
     peer pidfd         readable when the peer process dies — even if a forked child still holds
                        the socket, so EOF would come late or never — closes the session at once
     signal wakeup      SIGTERM/SIGINT (set_wakeup_fd) stop the loop
-    remote fetches     --remote: readable when the tier's fetch thread finished a read-through
+    remote fetches     --remote: readable when a pool's tier finished a fetch
 
 After each iteration's handlers (`serve_once`), the journal commits what they changed (one group
 commit: the seals of every client served in the iteration share it), then every held reply goes
@@ -42,10 +42,10 @@ an error reply and the session goes on; an unexpected exception in a handler is 
 answered INTERNAL — no client can take the daemon down. A kvd bug that escapes the loop itself
 ends it like a crash, keeping segment and journal for --recover.
 
-Deferred replies (--remote): a lookup or seq_open that misses locally after its local prefix
-is not run at once; its reply is left out of its recv's replies (an empty placeholder: the
+Deferred replies (--remote): a lookup or seq_open whose pools lack blocks it could hit is not
+run at once; its reply is left out of its recv's replies (an empty placeholder: the
 client matches replies by id) and the request waits in `_deferred`, in deadline order, while
-the loop serves everyone else. It runs when its fetch is done (the fetched blocks imported
+the loop serves everyone else. It runs when its fetches are done (the fetched blocks imported
 first) or at its deadline, whichever comes first, and its reply joins the held replies of that
 iteration, so it goes out after the journal committed the imported blocks' seals.
 kvd/server/remote/__init__.py describes the read-through.
@@ -131,17 +131,17 @@ class Server:
         # order (so in deadline order); those that said it leave once their deadline passes.
         self._hello_due: dict[Connection, float] = {}
         self._next_journal_retry = 0.0
-        # --remote: the tier, the ops it may defer, and the deferred requests' fetches.
+        # --remote: the tiers, the ops they may defer, and the deferred requests' read-throughs.
         self._remote = started.remote
-        self._deferrable = frozenset() if self._remote is None else remote.DEFERRABLE_OPS
-        self._deferred: deque[remote.FetchJob] = deque()
+        self._deferrable = frozenset() if self._remote is None else self._remote.bind(
+            self.service.served, self.service.models)
+        self._deferred: deque[remote.ReadThrough] = deque()
         try:
             self._selector.register(self._listener, selectors.EVENT_READ,
                                     (self._on_listener, None))
             self._selector.register(self._wakeup, selectors.EVENT_READ, (self._on_wakeup, None))
-            if self._remote is not None:
-                self._selector.register(self._remote.done_fd, selectors.EVENT_READ,
-                                        (self._on_fetched, None))
+            for done_fd in [] if self._remote is None else self._remote.done_fds:
+                self._selector.register(done_fd, selectors.EVENT_READ, (self._on_fetched, None))
         except BaseException:
             started.resources.close()
             raise
@@ -384,60 +384,49 @@ class Server:
     # ---- deferred replies (--remote) --------------------------------------------------------
     def _defer(self, connection: Connection, request_id: int, op: str,
                args: dict[str, Any]) -> bool:
-        """Start a read-through for the request if it misses locally; whether it did."""
-        service, tier = self.service, self._remote
-        if tier is None or service.write_error is not None:  # (imports are seals: refused)
+        """Start a read-through for the request if its pools lack blocks; whether it did."""
+        service, tiers = self.service, self._remote
+        if tiers is None or service.write_error is not None:  # (imports are seals: refused)
             return False
-        keys = remote.keys_to_fetch(service.pool, op, args, service.open_hashes)
-        if keys is None:
+        read = tiers.read(connection.session.served, op, args, service.open_hashes)
+        if read is None:
             return False
-        job = tier.fetch(keys[1])
-        if job is None:
-            return False
-        job.context = (connection, request_id, op, args, keys[0])
-        self._deferred.append(job)
+        read.context = (connection, request_id, op, args)
+        self._deferred.append(read)
         return True
 
     def _on_fetched(self, _: None, mask: int) -> None:
-        """Import what the finished fetches brought, answering those still waiting."""
-        tier = self._remote
-        if tier is None:
-            return
-        for job in tier.take_done():
-            self._import_and_answer(tier, job)
+        """Import what the finished read-throughs brought, answering those still waiting."""
+        if self._remote is not None:
+            for read in self._remote.take_done():
+                self._import_and_answer(read)
 
-    def _import_and_answer(self, tier: remote.RemoteTier, job: remote.FetchJob) -> None:
+    def _import_and_answer(self, read: remote.ReadThrough) -> None:
         service = self.service
-        connection, request_id, op, args, local_keys = job.context
-        pool = service.pool
         try:
-            imported = ([] if service.write_error is not None else
-                        remote.import_fetched(pool, tier, job, local_keys))
-            if not job.is_answered:
-                service.imported = frozenset(imported)
-                self._answer(job, bool(imported))
-                tier.counters["hit_blocks"] += sum(pool.ref_count(block_id) > 1
-                                                   for block_id in imported)
+            imported = {} if service.write_error is not None else read.import_fetched()
+            if not read.is_answered:
+                service.imported = imported
+                self._answer(read, any(imported.values()))
+                read.count_hits()
         finally:
-            service.imported = frozenset()
-            pool.release_owner(remote.IMPORT_OWNER)
+            service.imported = {}
+            read.release()
 
     def _answer_overdue(self) -> None:
         """Answer the deferred requests whose deadline passed, from what is local."""
-        now, deferred, tier = time.monotonic(), self._deferred, self._remote
-        if tier is None:
-            return
+        now, deferred = time.monotonic(), self._deferred
         while deferred and (deferred[0].is_answered or deferred[0].deadline <= now):
-            job = deferred.popleft()
-            if not job.is_answered:
-                tier.counters["timeouts"] += 1
-                self._answer(job, False)
+            read = deferred.popleft()
+            if not read.is_answered:
+                read.count_timeout()
+                self._answer(read, False)
 
-    def _answer(self, job: remote.FetchJob, is_journaled: bool) -> None:
+    def _answer(self, read: remote.ReadThrough, is_journaled: bool) -> None:
         """Run the deferred request now; its reply waits for this iteration's commit."""
-        job.is_answered = True
-        connection: Connection = job.context[0]
-        request_id, op, args = job.context[1:4]
+        read.is_answered = True
+        connection: Connection = read.context[0]
+        request_id, op, args = read.context[1:4]
         if self._connections.get(connection.sock.fileno()) is not connection:
             return  # closed meanwhile
         request_id, reply, awaits = self._reply(connection, (request_id, op, args),

@@ -155,7 +155,8 @@ class KvdCollector:
         ):
             yield CounterMetricFamily(name, text, value=stats[key])
         if "remote" in stats:
-            yield from _collect_remote(stats["remote"])
+            yield from _collect_remote({name: each["remote"] for name, each in pools.items()
+                                        if "remote" in each})
         yield from self._collect_ops()
 
     def _collect_ops(self) -> Iterator[Any]:
@@ -195,19 +196,24 @@ REMOTE_COUNTERS = (
 )
 
 
-def _collect_remote(remote: dict[str, Any]) -> Iterator[Any]:
-    """kvd_remote_*: the remote tier's state, queue and counters (kvd/server/remote)."""
-    yield GaugeMetricFamily("kvd_remote_up", "1 while the remote tier answers in time",
-                            value=1 if remote["state"] == "up" else 0)
+def _collect_remote(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:
+    """kvd_remote_*: each pool's tier's state, queue and counters (kvd/server/remote)."""
+    up = GaugeMetricFamily("kvd_remote_up", "1 while the remote tier answers in time",
+                           labels=["pool"])
     state = GaugeMetricFamily("kvd_remote_state", "The remote tier's state (1 for the current)",
-                              labels=["state"])
-    for name in REMOTE_STATES:
-        state.add_metric([name], 1 if remote["state"] == name else 0)
-    yield state
-    yield GaugeMetricFamily("kvd_remote_queue_blocks", "Blocks waiting to be written",
-                            value=remote["queue_depth"])
-    for key, text in REMOTE_COUNTERS:
-        yield CounterMetricFamily(f"kvd_remote_{key}", text, value=remote[key])
+                              labels=["pool", "state"])
+    queue = GaugeMetricFamily("kvd_remote_queue_blocks", "Blocks waiting to be written",
+                              labels=["pool"])
+    counters = {key: CounterMetricFamily(f"kvd_remote_{key}", text, labels=["pool"])
+                for key, text in REMOTE_COUNTERS}
+    for pool, remote in tiers.items():
+        up.add_metric([pool], 1 if remote["state"] == "up" else 0)
+        for name in REMOTE_STATES:
+            state.add_metric([pool, name], 1 if remote["state"] == name else 0)
+        queue.add_metric([pool], remote["queue_depth"])
+        for key, counter in counters.items():
+            counter.add_metric([pool], remote[key])
+    yield from (up, state, queue, *counters.values())
 
 
 RENDER_TTL_S = 1.0  # one rendering serves the scrapes of this long

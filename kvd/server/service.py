@@ -154,11 +154,12 @@ class Service:
         self.sessions: dict[int, Session] = {}
         self.num_deferred = 0  # pins of closed sessions not released yet, in every pool
         self.started_at = time.time()
-        self.remote: Any = None  # the remote tier (kvd/server/remote), if --remote
-        self.imported: frozenset[int] = frozenset()  # blocks it imported for the request running
-        # The remote tier's probe of a seq_open hashed its tokens: (tokens, salt, cap, hashes),
-        # so that the open that follows does not hash them again.
-        self._probed: tuple[bytes, bytes, int | None, list[bytes]] | None = None
+        self.remote: Any = None  # the remote tiers (kvd/server/remote.Tiers), if --remote
+        # pool name → blocks the remote tier imported there for the request running
+        self.imported: dict[str, frozenset[int]] = {}
+        # The remote tier's probe of a seq_open hashed its tokens: (the pool hashed for,
+        # tokens, salt, cap, hashes), so that the open that follows does not hash them again.
+        self._probed: tuple[Served, bytes, bytes, int | None, list[bytes]] | None = None
         self.counters = {"sessions_opened": 0, "sessions_closed": 0, "journal_commits": 0,
                          "journal_failures": 0}
         self._ops: dict[str, Callable[[Session, dict[str, Any]], Any]] = {
@@ -191,6 +192,32 @@ class Service:
         self._hot_of[name] = hot
         for ops in self._hot_of.values():  # (in place: a session holds one of these dicts)
             ops.update(self._hot_named)
+
+    def serve_remote(self, remote: Any) -> None:
+        """Serve the remote tiers (kvd/server/remote.Tiers; before any session opens): their
+        stats, and lookups that may ask how many of their blocks came from them
+        (`remote: 1`, replied {block_ids, num_remote}; without a tier the plain lookup stays
+        the pool's own method, no frame between)."""
+        self.remote = remote
+        for name, served in self.served.items():
+            self._hot_of[name]["lookup"] = self._hot_named[f"lookup@{name}"] = (
+                self._reporting_lookup(served))
+        for ops in self._hot_of.values():
+            ops.update(self._hot_named)
+
+    def _reporting_lookup(self, served: Served) -> tuple[tuple[ArgField, ...], bool,
+                                                          Callable[..., Any]]:
+        lookup, name = served.pool.lookup, served.name
+        schema = self._hot_of[name]["lookup"][0]
+
+        def reporting_lookup(keys: list[bytes], remote: int | None, owner: int) -> Any:
+            block_ids = lookup(keys, owner)
+            if remote is None:
+                return block_ids
+            imported = self.imported.get(name)
+            return {"block_ids": block_ids,
+                    "num_remote": len(imported.intersection(block_ids)) if imported else 0}
+        return (*schema, int_field("remote", 1, 1, is_required=False)), False, reporting_lookup
 
     def add_model(self, name: str, pool_names: list[str]) -> None:
         """Serve a model over pools already added (kvd/server/config.py checked the names and
@@ -356,6 +383,7 @@ class Service:
                 "pools": {name: served.geometry.to_dict() for name, served in self.served.items()},
                 "models": {name: [served.name for served in model]
                            for name, model in self.models.items()},
+                "remote": self.remote is not None,  # (lookups may then ask for `remote`)
                 **self.info}
 
     def _check_writable(self) -> None:
@@ -388,7 +416,8 @@ class Service:
             "native": native.status(),  # which compiled modules run (kvd/native.py)
             "metrics_port": self.info.get("metrics_port"),  # None: no --metrics-port
             **self._tier_stats(),
-            "pools": {name: self._pool_stats(served) for name, served in self.served.items()},
+            "pools": {name: {**self._pool_stats(served), **self._remote_stats(name)}
+                      for name, served in self.served.items()},
             **self._arena_stats(),
             **({"remote": self.remote.stats()} if self.remote is not None else {}),
         }
@@ -400,6 +429,10 @@ class Service:
                 "policy": served.pool.policy.name,
                 "geometry": served.geometry.to_dict(),
                 "sequences": len(served.page_table.sequences)}
+
+    def _remote_stats(self, pool_name: str) -> dict[str, Any]:
+        stats = None if self.remote is None else self.remote.pool_stats(pool_name)
+        return {} if stats is None else {"remote": stats}
 
     def _arena_stats(self) -> dict[str, Any]:
         arena = getattr(self.pool, "arena", None)
@@ -474,29 +507,51 @@ class Service:
         self._check_length(served, len(tokens) // 4)
         self._check_limit(len(session.seq_ids) + 1, "max_sequences", "open sequences")
         self._check_pins(session, -(-len(tokens) // 4 // served.geometry.block_size))
-        probed, self._probed = self._probed, None
-        hashes = (probed[3] if probed is not None and probed[0] is tokens
-                  and probed[1:3] == (salt, max_cached) else None)
+        hashes = self._probed_hashes(served, tokens, salt, max_cached)
         record, num_cached = self._counting_pins(served, session, lambda: served.page_table.open(
             tokens, salt, max_cached, hashes))
         session.seq_ids.add(record.seq_id)
-        # Remote hits: blocks the remote tier imported for this request (kvd/server/remote).
-        num_remote = (len(self.imported.intersection(record.block_ids))
-                      * served.geometry.block_size if self.imported else 0)
-        return self._describe(record, num_cached_tokens=num_cached, num_remote_tokens=num_remote)
+        return self._describe(record, num_cached_tokens=num_cached,
+                              num_remote_tokens=self._remote_tokens([served], [record],
+                                                                    num_cached))
 
     def _open_args(self, args: dict[str, Any]) -> tuple[bytes, bytes, int | None]:
         check_no_extra(args, ("tokens", "salt", "max_cached_tokens"))
         return (self._tokens(args), arg_bytes(args, "salt", MAX_SALT_NBYTES, b""),
                 arg_int(args, "max_cached_tokens", 0, default=None))
 
-    def open_hashes(self, args: dict[str, Any]) -> list[bytes]:
-        """The hashes a seq_open of `args` looks up (the remote tier's probe); raises as
-        seq_open would for bad args."""
+    def open_hashes(self, args: dict[str, Any], served: Served) -> list[bytes]:
+        """The hashes a seq_open of `args` looks up in `served` (a model's: its first pool's;
+        the remote tier's probe); raises as seq_open would for bad args."""
         tokens, salt, max_cached = self._open_args(args)
-        hashes = self.page_table.cacheable_hashes(tokens, salt, max_cached)
-        self._probed = (tokens, salt, max_cached, hashes)
+        hashes = served.page_table.cacheable_hashes(tokens, salt, max_cached)
+        self._probed = (served, tokens, salt, max_cached, hashes)
         return hashes
+
+    def _probed_hashes(self, served: Served, tokens: bytes, salt: bytes,
+                       max_cached: int | None) -> list[bytes] | None:
+        """The hashes `open_hashes` made for this very open, if it did."""
+        probed, self._probed = self._probed, None
+        if (probed is None or probed[0] is not served or probed[1] is not tokens
+                or probed[2:4] != (salt, max_cached)):
+            return None
+        return probed[4]
+
+    def _remote_tokens(self, pools: list[Served], records: list[SequenceRecord],
+                       num_cached: int) -> int:
+        """Of an open's hit, the tokens of the blocks the remote tier imported for it, in any
+        of its pools (kvd/server/remote)."""
+        if not self.imported:
+            return 0
+        block_size = pools[0].geometry.block_size
+        num_hit = num_cached // block_size
+        is_remote = [False] * num_hit
+        for served, record in zip(pools, records):
+            imported = self.imported.get(served.name, frozenset())
+            for position, block_id in enumerate(record.block_ids[:num_hit]):
+                if block_id in imported:
+                    is_remote[position] = True
+        return sum(is_remote) * block_size
 
     def _check_limit(self, num: int, name: str, what: str) -> None:
         limit = getattr(self.limits, name)
@@ -595,10 +650,13 @@ class Service:
         self._check_limit(len(session.seq_ids) + 1, "max_sequences", "open sequences")
         self._check_pins(session, len(model) * -(-len(tokens) // 4 // model[0].geometry.block_size))
         seq_id = next(self._ids)
+        hashes = self._probed_hashes(model[0], tokens, salt, max_cached)
         records, num_cached = self._counting_pins(model, session, lambda: open_spanning(
-            [served.page_table for served in model], seq_id, tokens, salt, max_cached))
+            [served.page_table for served in model], seq_id, tokens, salt, max_cached, hashes))
         session.seq_ids.add(seq_id)
-        return self._describe_model(model, records, num_cached_tokens=num_cached)
+        return self._describe_model(model, records, num_cached_tokens=num_cached,
+                                    num_remote_tokens=self._remote_tokens(model, records,
+                                                                          num_cached))
 
     def _model_extend(self, model: list[Served], session: Session, args: dict[str, Any]
                       ) -> dict[str, list[int]]:

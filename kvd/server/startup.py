@@ -25,8 +25,9 @@ failure anywhere unwinds exactly what was made, and a stopping loop unwinds the 
     pidfile     written.
     metrics     --metrics-port: a thread serving the Service's stats on 127.0.0.1; the port
                 bound (port 0: one the kernel chose) goes in `service.info["metrics_port"]`.
-    (remote)    --remote: made before the pool, whose seals it taps (its observer); its threads
-                start once the Service exists, and stop before the journal is released.
+    (remote)    --remote: a tier per pool, made before the pools, whose seals each taps (its
+                pool's observer); their threads start once the Service exists, and stop before
+                the journal is released.
 
 What a release keeps is `Stop.keep`. A plain stop and a failed start remove segment and journal.
 Both stay as they were, for the next --recover, after `kvd stop --keep`, after a kvd bug escaped
@@ -69,8 +70,9 @@ from kvd.server.metrics import OpStats, serve_metrics
 from kvd.server.config import ModelSpec, PoolSpec, check_models, check_pools
 from kvd.server.recovery import (attach_pools, attach_recoverable, drop_shared_slabs,
                                  load_journal, read_stamp, reshape, restore, stamp)
-from kvd.server.remote import (DEFAULT_TIMEOUT_MS, BlockCodec, RemoteTier, SealTap, parse_url,
-                               require_redis)
+from kvd.server.remote import (DEFAULT_TIMEOUT_MS, BlockCodec, RemoteTier, SealTap, SlabBlocks,
+                               Tiers, parse_url, require_redis)
+from kvd.server.remote.codec import check_block
 from kvd.server.service import Limits, Service
 
 log = logging.getLogger("kvd")
@@ -113,9 +115,8 @@ class DaemonConfig:
     def __post_init__(self) -> None:
         if self.remote is not None:
             parse_url(self.remote)  # a typed error before anything starts
-            if self.pools:
-                raise BadArgsError("--remote serves a daemon of one pool for now: drop --pool "
-                                   "(and the config's pools) or --remote")
+            for name, shape in self.pool_shapes:
+                check_block(name, shape)
         timeout = self.remote_timeout_ms
         if not (type(timeout) is int and 1 <= timeout <= 60_000):
             raise BadArgsError(f"--remote-timeout-ms must be an int in [1, 60000], "
@@ -126,6 +127,13 @@ class DaemonConfig:
         if self.pools:
             check_pools(list(self.pools), self.budget_nbytes)
         check_models(list(self.models), list(self.pools))
+
+    @property
+    def pool_shapes(self) -> list[tuple[str, Geometry]]:
+        """(name, geometry) of every pool: the configured ones, or the one pool `default`."""
+        if not self.pools:
+            return [("default", self.geometry)]
+        return [(spec.name, spec.shape) for spec in self.pools]
 
     @property
     def journal_dir(self) -> str:
@@ -169,7 +177,7 @@ class Started:
     stop: Stop
     num_restored: int  # blocks a recovery restored (0: started clean)
     resources: ExitStack  # releases everything above, in the reverse order of building
-    remote: RemoteTier | None = None  # --remote
+    remote: Tiers | None = None  # --remote
 
 
 def take_lock(paths: DaemonPaths) -> int:
@@ -241,15 +249,17 @@ def start(config: DaemonConfig) -> Started:
         if config.journal:
             journal = _open_pool_journals(config) if config.pools else _open_journal(config)
             undo.callback(_release_journal, journal, stop)
-        remote = _remote_tier(config)
+        remote = _remote_tiers(config)
         if remote is not None:
             undo.callback(remote.close)
         if config.pools:
             segment, service, num_restored = _open_pools(
-                config, journal if isinstance(journal, PoolJournals) else None, stop, undo)
+                config, journal if isinstance(journal, PoolJournals) else None, stop, undo,
+                remote)
         else:
             assert not isinstance(journal, PoolJournals)
-            segment, pool, num_restored = _open_pool(config, journal, stop, undo, remote)
+            segment, pool, num_restored = _open_pool(
+                config, journal, stop, undo, None if remote is None else remote.tiers["default"])
             service = Service(pool, config.geometry, _block_copier(segment.pool), {}, OpStats(),
                               on_shutdown=stop.on_shutdown, limits=config.limits)
         service.info.update({"segment": segment.name, "segment_uuid": segment.uuid,
@@ -257,8 +267,8 @@ def start(config: DaemonConfig) -> Started:
         if journal is not None:
             service.journal_state = "ok"
         if remote is not None:
-            service.remote = remote
-            remote.start(_block_bytes(segment), segment.generations)
+            service.serve_remote(remote)
+            _start_tiers(remote, segment, config)
         listener = _bind(paths.socket_path)
         undo.callback(_release_listener, listener, paths.socket_path)
         _write_pidfile(paths.pid_path)
@@ -361,18 +371,27 @@ def _new_pool(config: DaemonConfig, segment: Segment, journal: Journal | None,
 
 
 # ---- the remote tier -----------------------------------------------------------------------------
-def _remote_tier(config: DaemonConfig) -> RemoteTier | None:
+def _remote_tiers(config: DaemonConfig) -> Tiers | None:
+    """A tier per pool, its blocks named after the pool (docs/remote.md)."""
     if config.remote is None:
         return None
     require_redis()
-    # (a daemon's one pool is `default`: its blocks are named after it, docs/remote.md)
-    return RemoteTier(parse_url(config.remote), BlockCodec("default", config.geometry),
-                      config.remote_timeout_ms)
+    url = parse_url(config.remote)
+    return Tiers({name: RemoteTier(url, BlockCodec(name, shape), config.remote_timeout_ms)
+                  for name, shape in config.pool_shapes})
 
 
-def _block_bytes(segment: Segment) -> np.ndarray:
-    """The segment's blocks as uint8 rows of block_nbytes (what the tier copies)."""
-    return segment.pool.reshape(segment.geometry.num_blocks, -1).view(np.uint8)
+def _start_tiers(remote: Tiers, segment: Segment, config: DaemonConfig) -> None:
+    """Start each tier's threads over its pool's blocks (uint8 rows of block_nbytes)."""
+    if not config.pools:
+        remote.tiers["default"].start(
+            segment.pool.reshape(segment.geometry.num_blocks, -1).view(np.uint8),
+            segment.generations)
+        return
+    for name, tier in remote.tiers.items():
+        layout = segment.pools[name]
+        tier.start(SlabBlocks(segment.slabs_of(name), layout.blocks_per_slab),
+                   segment.generations_of(name))
 
 
 def _remove_stale_segment(paths: DaemonPaths) -> None:
@@ -398,7 +417,7 @@ def _create_segment(config: DaemonConfig, journal: Journal | None) -> Segment:
 
 
 def _open_pools(config: DaemonConfig, journals: PoolJournals | None, stop: Stop,
-                undo: ExitStack) -> tuple[Segment, Service, int]:
+                undo: ExitStack, remote: Tiers | None) -> tuple[Segment, Service, int]:
     """A layout-2 segment for the configured pools (the previous one with each pool's journaled
     blocks restored, for --recover, where they match: kvd/server/recovery.py), their arena and
     the Service over them; also the blocks restored."""
@@ -421,9 +440,11 @@ def _open_pools(config: DaemonConfig, journals: PoolJournals | None, stop: Stop,
         journal = journals.journals[spec.name] if journals is not None else None
         if journal is not None and spec.name not in loaded:
             _reset_journal(journal, segment, spec.name)
+        tier = None if remote is None else remote.tiers[spec.name]
         pool = arena.add_pool(number, make_policy(config.policy, arena.num_ids(number),
                                                   tiers=config.tiers),
-                              segment.generations_of(spec.name), observer=journal)
+                              segment.generations_of(spec.name),
+                              observer=journal if tier is None else SealTap(journal, tier))
         if journal is not None and journals is not None:
             journal.on_commit = partial(segment.set_pool_acknowledged_seals, spec.name)
             journals.rows_of[spec.name] = pool.journal_rows

@@ -87,6 +87,41 @@ def test_acknowledged_seals_of_two_pools_survive_sigkill(pools_daemon, tmp_path)
     run_kill_cycles(daemon, tmp_path, 8, num_workers=2, quota=4000, pools=("target", "latent"))
 
 
+def test_the_restart_rules_hold_for_ops_naming_a_pool_or_a_model(pools_daemon):
+    """The first call after a SIGKILL and --recover: `lookup`/`alloc`/`seq_open` addressed
+    OP@POOL or OP@MODEL are sent again and `release`/`seq_close` are satisfied, as their plain
+    forms are (they all raised DisconnectedError); the others still raise it."""
+    daemon = pools_daemon
+    daemon.flags = (*daemon.flags, "--model", "both:target,latent")
+    daemon.start()
+    sealed = seal_into(daemon, "latent", 4)
+    keys, block_ids = list(sealed), list(sealed.values())
+    clients = [daemon.connect(reconnect_timeout_s=30) for _ in range(5)]
+    reader, releaser, sealer, sequencer, opener = clients
+    try:
+        pinned = releaser.lookup(keys, pool="latent")
+        owned = sealer.alloc(2, pool="latent")
+        seq = sequencer.open_model_sequence("both", list(range(9)))
+        daemon.kill()
+        daemon.recover()
+        assert reader.lookup(keys, pool="latent") == block_ids  # sent again
+        releaser.release(pinned, pool="latent")  # the restart dropped those pins: satisfied
+        again = opener.open_model_sequence("both", list(range(9)))  # sent again
+        with pytest.raises(kvd.DisconnectedError, match="restarted"):
+            sealer.seal(owned, [os.urandom(16) for _ in owned], pool="latent")
+        with pytest.raises(kvd.DisconnectedError):
+            sequencer.extend_model_sequence(seq, [1])
+        sequencer.close_model_sequence(seq)  # silently: the restart closed it
+        assert [client.num_reconnects for client in clients] == [1] * 5
+        opener.close_model_sequence(again)
+        reader.release(block_ids, pool="latent")
+        check_invariants(reader)
+    finally:
+        for client in clients:
+            client.close()
+    daemon.stop_cli()
+
+
 def test_a_pool_whose_geometry_changed_restarts_clean_and_the_others_keep_theirs(pools_daemon):
     daemon = pools_daemon
     daemon.start()

@@ -196,7 +196,7 @@ def test_a_prompt_prefilled_on_one_host_is_a_hit_on_another(daemon_factory, redi
         prefill(a, tag=2, num_blocks=3)
         wait_written(a, 9)
         block_ids = b.lookup(hashes)
-        assert len(block_ids) == 3
+        assert len(block_ids) == 3 and block_ids.num_remote == 3  # (the reply says so)
         for index, block_id in enumerate(block_ids):
             assert np.array_equal(b.view(block_id), block_bytes(2, index, b.view(0).shape))
         b.release(block_ids)
@@ -205,9 +205,10 @@ def test_a_prompt_prefilled_on_one_host_is_a_hit_on_another(daemon_factory, redi
         assert remote_stats(b)["written"] == 0
         # the operator's view: metrics, kvd stats, kvd status
         metrics = scrape(b.stats()["metrics_port"])
-        assert metrics[("kvd_remote_hit_blocks_total", ())] == 9
-        assert metrics[("kvd_remote_up", ())] == 1
-        assert metrics[("kvd_remote_state", (("state", "up"),))] == 1
+        default = (("pool", "default"),)
+        assert metrics[("kvd_remote_hit_blocks_total", default)] == 9
+        assert metrics[("kvd_remote_up", default)] == 1
+        assert metrics[("kvd_remote_state", (*default, ("state", "up")))] == 1
         text = kvd_cli("stats", "--name", host_b.name).stdout
         assert re.search(r"remote hit blocks \(of prefix hits\) +9 of", text), text
         assert f"remote: {redis_empty.url}/0 up" in kvd_cli("status", "--name", host_b.name).stdout
@@ -369,14 +370,3 @@ def test_other_clients_are_served_while_a_fetch_waits(daemon_factory, redis_empt
         sleeper.join()
         assert answered.is_set() and not other.stats()["errors"]
 
-
-def test_remote_with_several_pools_is_a_typed_error():
-    from kvd.runtime import DaemonPaths
-    from kvd.server.config import parse_pool_flag
-    from kvd.server.startup import DaemonConfig
-
-    geometry = Geometry(num_blocks=8, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
-    pool = parse_pool_flag("a:layers=2,kv-heads=2,head-dim=8,dtype=float16,block-size=4")
-    with pytest.raises(BadArgsError, match="--remote serves a daemon of one pool"):
-        DaemonConfig(DaemonPaths.for_name("remote-pools"), geometry, pools=(pool,),
-                     remote="redis://127.0.0.1:1")

@@ -15,6 +15,13 @@ Every block a worker writes carries `pattern(key)`: the block's bytes are its 16
 repeated, so any reader that knows the hash it looked up can verify the bytes it got, byte for
 byte. A reader holds a pin while it reads, so the bytes must match and the block's generation
 counter must not move; either failure is counted as a corrupt read.
+
+Several pools: a worker given several pools picks one per cycle in one session (OP@POOL), and
+given a model it also runs sequences spanning the model's pools (each pool's blocks hold the
+pattern of the same hash chain). A daemon restart (`kvd start --recover` between a worker's calls)
+reconnects the worker; its pins and sequences died with the old session, and a read that the
+restart cut (its pins gone while it read) is not counted: the worker asks the daemon after a
+mismatch, and only a session still alive then proves the pins held throughout the read.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ import numpy as np
 import kvd
 
 COUNTERS = ("cycles", "seq_cycles", "verified_blocks", "corrupt_reads", "hit_blocks",
-            "written_blocks", "sealed_blocks", "no_space", "forks", "errors", "holder_pid")
+            "written_blocks", "sealed_blocks", "no_space", "forks", "errors", "holder_pid",
+            "model_cycles", "restarts", "reads_cut_by_restart")
 NUM_COUNTERS = len(COUNTERS)
 HOLD_AFTER_PARENT_DEATH_S = 2.0  # a forked child keeps its dead parent's socket this long
 
@@ -60,8 +68,8 @@ def pattern(key: bytes, nbytes: int) -> np.ndarray:
     return np.resize(np.frombuffer(key, dtype=np.uint8), nbytes)
 
 
-def block_bytes(client: kvd.Client, block_id: int) -> np.ndarray:
-    return client.view(block_id).view(np.uint8).reshape(-1)
+def block_bytes(client: kvd.Client, block_id: int, pool: str | None = None) -> np.ndarray:
+    return client.view(block_id, pool).view(np.uint8).reshape(-1)
 
 
 # ---- the shared prompt universe --------------------------------------------------------------
@@ -88,129 +96,193 @@ def num_distinct_blocks(prompts: list[np.ndarray], block_size: int) -> int:
 
 # ---- the stress worker -----------------------------------------------------------------------
 class StressWorker:
-    """One worker's random mix of raw block ops and sequence ops, every read verified."""
+    """One worker's random mix of raw block ops and sequence ops (in `pools`, one per cycle, and
+    across `model`'s pools), every read verified."""
 
     def __init__(self, client: kvd.Client, counters: Any, slot: int, seed: int,
-                 prompts: list[np.ndarray]) -> None:
+                 prompts: list[np.ndarray], pools: tuple[str | None, ...] = (None,),
+                 model: str | None = None) -> None:
         self.client = client
         self.counters = counters
         self.base = slot * NUM_COUNTERS
         self.rng = random.Random(seed)
         self.prompts = prompts
-        self.block_size = client.geometry.block_size
-        self.nbytes = client.geometry.block_nbytes
-        self.held: list[int] = []  # pins kept across cycles, so a kill often catches some
+        self.pools = pools
+        self.model = model
+        self.block_size = client.geometry.block_size  # (a model's pools share it)
+        self.nbytes = {pool: (client.geometry if pool is None else client.pools[pool]
+                              ).block_nbytes for pool in (*pools, *client.info["models"].get(
+                                  model, ()))}
+        self.held: dict[str | None, list[int]] = {}  # pins kept across cycles, so a kill often
+        # catches some
+        self.epoch = client.num_reconnects
 
     def count(self, name: str, amount: int = 1) -> None:
         self.counters[self.base + COUNTERS.index(name)] += amount
 
-    def write(self, block_id: int, key: bytes) -> None:
-        block_bytes(self.client, block_id)[:] = pattern(key, self.nbytes)
+    def write(self, block_id: int, key: bytes, pool: str | None) -> None:
+        block_bytes(self.client, block_id, pool)[:] = pattern(key, self.nbytes[pool])
         self.count("written_blocks")
 
-    def verify(self, block_ids: list[int], keys: list[bytes]) -> None:
-        """Check pinned blocks hold their keys' patterns and were not reused while read."""
+    def verify(self, block_ids: list[int], keys: list[bytes], pool: str | None) -> None:
+        """Check pinned blocks hold their keys' patterns and were not reused while read (-1: a
+        window pool released that block)."""
         for block_id, key in zip(block_ids, keys):
-            generation = self.client.generation(block_id)
-            is_intact = np.array_equal(block_bytes(self.client, block_id),
-                                       pattern(key, self.nbytes))
-            if not is_intact or self.client.generation(block_id) != generation:
-                self.count("corrupt_reads")
+            if block_id == -1:
+                continue
+            generation = self.client.generation(block_id, pool)
+            is_intact = np.array_equal(block_bytes(self.client, block_id, pool),
+                                       pattern(key, self.nbytes[pool]))
+            if not is_intact or self.client.generation(block_id, pool) != generation:
+                self.count("reads_cut_by_restart" if self.cut_by_restart() else "corrupt_reads")
             self.count("verified_blocks")
 
+    def cut_by_restart(self) -> bool:
+        """Whether the daemon restarted since this cycle began (a call that notices it)."""
+        self.client.stats()  # (sent again after a restart: it reconnects)
+        return self.client.num_reconnects != self.epoch
+
     def run(self, stop: Any) -> None:
+        cycles = [self.raw_cycle, self.raw_cycle, self.sequence_cycle]
+        if self.model is not None:
+            cycles += [self.model_cycle] * 2
         while not stop[0]:
+            if self.client.num_reconnects != self.epoch:  # the old session's pins died
+                self.epoch, self.held = self.client.num_reconnects, {}
+                self.count("restarts")
             try:
-                self.rng.choice((self.raw_cycle, self.raw_cycle, self.sequence_cycle))()
-            except kvd.NoSpaceError:
-                self.count("no_space")
+                self.rng.choice(cycles)(self.rng.choice(self.pools))
+            except kvd.KvdError as exc:
+                if self.client.num_reconnects == self.epoch:  # (else the daemon restarted mid-
+                    if not isinstance(exc, kvd.NoSpaceError):  # cycle: the old session's ids
+                        raise  # may name the new one's blocks)
+                    self.count("no_space")
             self.count("cycles")
 
     # ---- raw blocks: lookup, alloc, write, seal, read, pin, release --------------------------
-    def raw_cycle(self) -> None:
+    def raw_cycle(self, pool: str | None) -> None:
         tokens = self.rng.choice(self.prompts)
         keys = kvd.hash_blocks(tokens, self.block_size)
-        hit_ids = self.client.lookup(keys)
+        hit_ids = self.client.lookup(keys, pool)
         self.count("hit_blocks", len(hit_ids))
-        self.verify(hit_ids, keys)
+        self.verify(hit_ids, keys, pool)
         try:
-            new_ids = self.client.alloc(len(keys) - len(hit_ids))
+            new_ids = self.client.alloc(len(keys) - len(hit_ids), pool)
         except kvd.NoSpaceError:
-            self.client.release(hit_ids)
+            self.client.release(hit_ids, pool)
             raise
         if self.rng.random() < 0.1:  # an aborted write: owned blocks go straight back
-            self.client.release(hit_ids + new_ids)
+            self.client.release(hit_ids + new_ids, pool)
             return
         for block_id, key in zip(new_ids, keys[len(hit_ids):]):
-            self.write(block_id, key)
-        self.client.seal(new_ids, keys[len(hit_ids):])
+            self.write(block_id, key, pool)
+        self.client.seal(new_ids, keys[len(hit_ids):], pool=pool)
         self.count("sealed_blocks", len(new_ids))
         block_ids = hit_ids + new_ids
-        self.verify(block_ids, keys)
+        self.verify(block_ids, keys, pool)
         if self.rng.random() < 0.2:  # share: one more pin each, then drop it
-            self.client.pin(block_ids)
-            self.client.release(block_ids)
-        self.keep_or_release(block_ids)
+            self.client.pin(block_ids, pool)
+            self.client.release(block_ids, pool)
+        self.keep_or_release(block_ids, pool)
 
-    def keep_or_release(self, block_ids: list[int]) -> None:
-        if self.rng.random() < 0.3 and len(self.held) < len(block_ids):
-            self.held += block_ids
+    def keep_or_release(self, block_ids: list[int], pool: str | None) -> None:
+        if self.client.num_reconnects != self.epoch:
+            self.held = {}  # (died with the old session)
+        held = self.held.setdefault(pool, [])
+        if self.rng.random() < 0.3 and len(held) < len(block_ids):
+            held += block_ids
             return
-        self.client.release(block_ids)
-        if self.held and self.rng.random() < 0.5:
-            held, self.held = self.held, []
-            self.client.release(held)
+        self.client.release(block_ids, pool)
+        if held and self.rng.random() < 0.5:
+            self.client.release(self.held.pop(pool), pool)
 
     # ---- sequences: open, write, commit, extend, fork, close ---------------------------------
-    def sequence_cycle(self) -> None:
+    def sequence_cycle(self, pool: str | None) -> None:
         tokens = self.rng.choice(self.prompts)
-        seq = self.client.open_sequence(tokens)
+        seq = self.client.open_sequence(tokens, pool=pool)
         seqs = [seq]
         try:
             self.count("seq_cycles")
-            num_cached = seq.num_cached_tokens // self.block_size
-            self.count("hit_blocks", num_cached)
-            keys = kvd.hash_blocks(tokens, self.block_size)
-            self.verify(seq.block_ids[:num_cached], keys)
-            self.fill(seq, tokens, num_cached)
+            tables = {pool: seq.block_ids}
+            self.opened(tables, tokens, seq.num_cached_tokens // self.block_size)
             self.client.commit_sequence(seq)
             for _ in range(self.rng.randrange(0, 3)):
-                tokens = self.extend(seq, tokens)
+                num_sealed = seq.num_sealed_blocks
+                tokens = self.extend(seq, tokens, self.client.extend_sequence)
+                self.fill(tables, tokens, num_sealed)  # (before the commit seals them)
+                self.client.commit_sequence(seq, self.aligned(tokens))
+                self.count("sealed_blocks", seq.num_sealed_blocks - num_sealed)
             if self.rng.random() < 0.5:
-                seqs.append(self.fork(seq, tokens))
+                child = self.client.fork_sequence(seq)
+                seqs.append(child)
+                self.forked(tables, {pool: child.block_ids}, tokens, seq.num_sealed_blocks)
         finally:
             for each in reversed(seqs):
                 self.client.close_sequence(each)
 
-    def fill(self, seq: kvd.Sequence, tokens: np.ndarray, first_block: int) -> None:
-        """Write every block from `first_block` on: full ones get their hash's pattern, the
-        partial tail one derived from its tokens (it is only ever compared with its fork copy)."""
-        keys = kvd.hash_blocks(tokens, self.block_size)
-        for index in range(first_block, len(seq.block_ids)):
-            self.write(seq.block_ids[index], keys[index] if index < len(keys)
-                       else tail_key(tokens, self.block_size))
+    def model_cycle(self, _: str | None) -> None:
+        """The sequence cycle on the model: one sequence spanning its pools."""
+        tokens = self.rng.choice(self.prompts)
+        seq = self.client.open_model_sequence(self.model, tokens)
+        seqs = [seq]
+        try:
+            self.count("model_cycles")
+            self.opened(seq.block_ids, tokens, seq.num_cached_tokens // self.block_size)
+            self.client.commit_model_sequence(seq)
+            for _ in range(self.rng.randrange(0, 3)):
+                num_sealed = seq.num_sealed_blocks
+                tokens = self.extend(seq, tokens, self.client.extend_model_sequence)
+                self.fill(seq.block_ids, tokens, num_sealed)
+                self.client.commit_model_sequence(seq, self.aligned(tokens))
+            if self.rng.random() < 0.5:
+                child = self.client.fork_model_sequence(seq)
+                seqs.append(child)
+                self.forked(seq.block_ids, child.block_ids, tokens, seq.num_sealed_blocks)
+        finally:
+            for each in reversed(seqs):
+                self.client.close_model_sequence(each)
 
-    def extend(self, seq: kvd.Sequence, tokens: np.ndarray) -> np.ndarray:
+    def opened(self, tables: dict[str | None, list[int]], tokens: np.ndarray,
+               num_cached: int) -> None:
+        """A sequence opened with `num_cached` blocks found: verify them, write the rest."""
+        self.count("hit_blocks", num_cached)
+        keys = kvd.hash_blocks(tokens, self.block_size)
+        for pool, block_ids in tables.items():
+            self.verify(block_ids[:num_cached], keys, pool)
+        self.fill(tables, tokens, num_cached)
+
+    def aligned(self, tokens: np.ndarray) -> int:
+        return len(tokens) // self.block_size * self.block_size
+
+    def fill(self, tables: dict[str | None, list[int]], tokens: np.ndarray,
+             first_block: int) -> None:
+        """Write every block from `first_block` on: full ones get their hash's pattern, the
+        partial tail one derived from its tokens (it is only ever compared with its fork copy);
+        -1: a window pool released it."""
+        keys = kvd.hash_blocks(tokens, self.block_size)
+        for pool, block_ids in tables.items():
+            for index in range(first_block, len(block_ids)):
+                if block_ids[index] != -1:
+                    self.write(block_ids[index], keys[index] if index < len(keys)
+                               else tail_key(tokens, self.block_size), pool)
+
+    def extend(self, seq: Any, tokens: np.ndarray, extend: Any) -> np.ndarray:
+        """Append a block and a token, sealing what was computed before them."""
         # Decode tokens are a function of the prompt, so extensions are shared across workers.
         step = int(tokens[-1]) % 7 + 1
         new_tokens = (tokens[-1] + np.arange(1, self.block_size + 2) * step).astype(np.uint32)
-        num_sealed = seq.num_sealed_blocks
-        self.client.extend_sequence(seq, new_tokens, num_computed=seq.num_tokens)
-        tokens = np.concatenate([tokens, new_tokens])
-        self.fill(seq, tokens, num_sealed)
-        self.client.commit_sequence(seq, (len(tokens) // self.block_size) * self.block_size)
-        self.count("sealed_blocks", seq.num_sealed_blocks - num_sealed)
-        return tokens
+        extend(seq, new_tokens, num_computed=seq.num_tokens)
+        return np.concatenate([tokens, new_tokens])
 
-    def fork(self, seq: kvd.Sequence, tokens: np.ndarray) -> kvd.Sequence:
-        child = self.client.fork_sequence(seq)
+    def forked(self, parent: dict[str | None, list[int]], child: dict[str | None, list[int]],
+               tokens: np.ndarray, num_sealed: int) -> None:
+        """A fork must share the sealed prefix, not copy it, and hold the same bytes."""
         self.count("forks")
-        keys = kvd.hash_blocks(tokens, self.block_size)
-        num_sealed = seq.num_sealed_blocks
-        if child.block_ids[:num_sealed] != seq.block_ids[:num_sealed]:
-            self.count("corrupt_reads")  # a fork must share the sealed prefix, not copy it
-        self.verify(child.block_ids, keys + [tail_key(tokens, self.block_size)])
-        return child
+        keys = kvd.hash_blocks(tokens, self.block_size) + [tail_key(tokens, self.block_size)]
+        for pool, block_ids in child.items():
+            if block_ids[:num_sealed] != parent[pool][:num_sealed]:
+                self.count("corrupt_reads")
+            self.verify(block_ids, keys, pool)
 
 
 def tail_key(tokens: np.ndarray, block_size: int) -> bytes:
@@ -222,17 +294,18 @@ def tail_key(tokens: np.ndarray, block_size: int) -> bytes:
 
 def stress_worker_main(socket_path: str, counters: Any, slot: int, seed: int,
                        prompts: list[np.ndarray], fork_holder: bool,
-                       pool: str | None = None) -> None:
-    """Process entry: connect (to `pool`), optionally fork a child that keeps the socket, run
-    until stop."""
-    client = kvd.connect(socket_path, pool=pool)
+                       pools: tuple[str | None, ...] = (None,), model: str | None = None
+                       ) -> None:
+    """Process entry: connect (with one pool, to it), optionally fork a child that keeps the
+    socket, run until stop."""
+    client = kvd.connect(socket_path, pool=pools[0] if len(pools) == 1 else None)
     if fork_holder:
         holder_pid = os.fork()
         if holder_pid == 0:
             hold_socket(counters, os.getppid())
         counters[slot * NUM_COUNTERS + COUNTERS.index("holder_pid")] = holder_pid
     try:
-        StressWorker(client, counters, slot, seed, prompts).run(counters)
+        StressWorker(client, counters, slot, seed, prompts, pools, model).run(counters)
     except Exception:
         counters[slot * NUM_COUNTERS + COUNTERS.index("errors")] += 1
         raise

@@ -16,6 +16,13 @@ elapsed time. Each poll also checks every invariant mid-run.
 At the end, with every worker gone: invariants hold, no block is owned or pinned, the whole pool
 can be allocated again (0 leaked blocks), 0 corrupt reads, daemon RSS grew < 10 % from warm-up
 (VmRSS from /proc/<pid>/status), and the p99 reclaim time is reported (goal < 100 ms).
+
+Across two pools: workers use both pools in one session (and one worker in two only the pool its
+session chose) and run sequences on a model spanning them (one pool with a sliding window). The
+daemon itself is SIGKILLed twice and restarted with --recover, the workers stopped meanwhile, so
+that the recovered state is checked before anyone touches it (nothing owned or pinned, every
+index entry cached, every invariant, in every pool); they then reconnect and go on, verifying
+every block they read, the recovered ones included.
 `KVD_STRESS_SCALE` multiplies workers and duration; `KVD_STRESS_REPORT=path` writes the summary
 as JSON. Default tier: ~20 s; `pytest -m slow`: the 10-minute soak.
 """
@@ -44,6 +51,7 @@ from stress.stress_procs import (
 )
 
 import kvd
+from conftest import start_daemon_process
 
 RECLAIM_GOAL_S = 0.1
 RECLAIM_TIMEOUT_S = 5.0
@@ -67,7 +75,9 @@ class Chaos:
     prompts: list[np.ndarray]
     max_slots: int
     seed: int
-    pools: tuple[str | None, ...] = (None,)  # worker i works in pool i % len(pools)
+    # worker i works in the pools worker_pools[i % len(worker_pools)] (None: the one pool)
+    worker_pools: tuple[tuple[str | None, ...], ...] = ((None,),)
+    model: str | None = None  # and runs sequences of this model
     counters: Any = None
     workers: dict[int, Any] = field(default_factory=dict)  # slot → Process
     fork_holders: set[int] = field(default_factory=set)
@@ -75,6 +85,7 @@ class Chaos:
     crashed: list[str] = field(default_factory=list)
     num_started: int = 0
     num_polls: int = 0
+    num_restarts: int = 0  # of the daemon
 
     def __post_init__(self) -> None:
         self.counters = context().Array("q", (self.max_slots + 1) * NUM_COUNTERS, lock=False)
@@ -89,7 +100,7 @@ class Chaos:
         process = context().Process(
             target=stress_worker_main, daemon=True,
             args=(self.socket_path, self.counters, slot, self.seed * 100_003 + slot, self.prompts,
-                  fork_holder, self.pools[slot % len(self.pools)]))
+                  fork_holder, self.worker_pools[slot % len(self.worker_pools)], self.model))
         process.start()
         self.workers[slot] = process
         if fork_holder:
@@ -140,6 +151,10 @@ class Chaos:
         for slot in self.fork_holders:
             wait_gone(self.column("holder_pid")[slot])
 
+    def signal_workers(self, signum: int) -> None:
+        for process in self.workers.values():
+            os.kill(process.pid, signum)
+
     def column(self, name: str) -> np.ndarray:
         table = np.frombuffer(self.counters, dtype=np.int64).reshape(-1, NUM_COUNTERS)
         return table[:, COUNTERS.index(name)].copy()
@@ -176,28 +191,42 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_stress(handle: Any, num_workers: int, duration_s: float, seed: int = 1,
-               pools: tuple[str | None, ...] = (None,)) -> dict[str, Any]:
-    """Run workers under chaos for `duration_s` (spread over `pools`: names, or the one pool);
-    return the summary (asserts nothing itself)."""
-    with handle.connect() as monitor:
+               worker_pools: tuple[tuple[str | None, ...], ...] = ((None,),),
+               model: str | None = None, restart_args: list[str] | None = None
+               ) -> dict[str, Any]:
+    """Run workers under chaos for `duration_s` (in `worker_pools`, and `model`); with
+    `restart_args` (the daemon's flags), SIGKILL and --recover the daemon at 1/4 and 1/2 of it.
+    Returns the summary (asserts nothing itself but the recovered states)."""
+    pools = tuple(dict.fromkeys(pool for each in worker_pools for pool in each))
+    monitor = handle.connect()
+    try:
         geometry = monitor.geometry
-        daemon_pid = monitor.stats()["daemon_pid"]
         prompts = make_prompts(seed, 8 * max(1, round(num_workers / 6)), geometry.block_size)
         max_slots = num_workers + int(duration_s / KILL_INTERVAL_S[0]) + 1
-        chaos = Chaos(handle.paths.socket_path, prompts, max_slots, seed, pools)
+        chaos = Chaos(handle.paths.socket_path, prompts, max_slots, seed, worker_pools, model)
         for _ in range(num_workers):
             chaos.start_worker()
         started = time.monotonic()
-        warm_at, rss_warm = started + max(3.0, duration_s / 4), None
+        restarts_at = [] if restart_args is None else [started + duration_s * k / 4
+                                                       for k in (1, 2)]
+        # (RSS of the last incarnation, from a while after its start)
+        warm_at = max([started + max(3.0, duration_s / 4), *(at + 3.0 for at in restarts_at)])
+        rss_warm = None
         while time.monotonic() - started < duration_s:
             time.sleep(chaos.rng.uniform(*KILL_INTERVAL_S))
+            if restarts_at and time.monotonic() >= restarts_at[0]:
+                del restarts_at[0]
+                monitor.close()
+                monitor = crash_and_recover(handle, restart_args or [], chaos, pools)
             if rss_warm is None and time.monotonic() >= warm_at:
-                rss_warm = rss_kib(daemon_pid)
+                rss_warm = rss_kib(handle.proc.pid)
             chaos.kill_one(monitor)
             chaos.start_worker()
-        rss_end = rss_kib(daemon_pid)
+        rss_end = rss_kib(handle.proc.pid)
         chaos.stop_all()
         summary = final_state(monitor, chaos, pools)
+    finally:
+        monitor.close()
     reclaim_s = [kill.reclaim_s for kill in chaos.kills]
     forked_s = [kill.reclaim_s for kill in chaos.kills if kill.had_forked_child]
     summary.update({
@@ -207,6 +236,7 @@ def run_stress(handle: Any, num_workers: int, duration_s: float, seed: int = 1,
         "kills": len(chaos.kills), "kills_with_forked_child": len(forked_s),
         "kills_with_pins": sum(1 for kill in chaos.kills if kill.pins_at_kill),
         "crashed_workers": chaos.crashed, "invariant_checks": chaos.num_polls,
+        "daemon_restarts": chaos.num_restarts,
         "reclaim_ms_p50": round(1e3 * percentile(reclaim_s, 50), 2),
         "reclaim_ms_p99": round(1e3 * percentile(reclaim_s, 99), 2),
         "reclaim_ms_max": round(1e3 * max(reclaim_s, default=float("nan")), 2),
@@ -215,6 +245,29 @@ def run_stress(handle: Any, num_workers: int, duration_s: float, seed: int = 1,
         "rss_growth_pct": round(100 * (rss_end - rss_warm) / rss_warm, 2),
     })
     return summary
+
+
+def crash_and_recover(handle: Any, args: list[str], chaos: Chaos,
+                      pools: tuple[str | None, ...]) -> kvd.Client:
+    """SIGKILL the daemon with the workers stopped, `kvd start --recover` it under the same
+    name, check what it recovered before the workers go on; returns a monitor connected to it."""
+    chaos.signal_workers(signal.SIGSTOP)
+    try:
+        handle.proc.kill()
+        handle.proc.wait()
+        handle.proc = start_daemon_process(handle.name, handle.log_path, [*args, "--recover"])
+        handle.wait_ready()
+        monitor = handle.connect()
+        stats = monitor.stats()
+        for each in ([stats] if pools == (None,) else [stats["pools"][pool] for pool in pools]):
+            assert each["owned"] == each["sealed"] == 0 and each["cached"] == each["indexed"], \
+                each
+            assert each["cached"] > 0, each  # (the journals kept the cache)
+        check_invariants(monitor)
+    finally:
+        chaos.signal_workers(signal.SIGCONT)
+    chaos.num_restarts += 1
+    return monitor
 
 
 def final_state(monitor: kvd.Client, chaos: Chaos,
@@ -282,17 +335,24 @@ def test_stress_with_chaos(stress_daemon: Any) -> None:
 
 def test_stress_with_chaos_across_two_pools(daemon_factory: Any,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same chaos with the workers spread over two pools of different block bytes sharing
-    one budget (slabs move between them under eviction); every invariant checked in both."""
+    """The same chaos with the workers using two pools of different block bytes sharing one
+    budget (slabs move between them under eviction) in one session, and a model spanning them
+    (the thin pool has a sliding window), while the daemon is SIGKILLed and recovered twice;
+    every invariant checked in both pools, after each recovery too."""
     monkeypatch.setenv("KVD_DEBUG", "1")
     num_workers = max(2, round(6 * SCALE))
-    handle = daemon_factory(["--pool", "wide:layers=2,kv-heads=2,head-dim=8,dtype=float32,"
-                             "block-size=4", "--pool", "thin:layers=1,kv-heads=2,head-dim=8,"
-                             "dtype=float32,block-size=4"], memory=(12 * num_workers + 8) * 1024)
-    summary = run_stress(handle, num_workers, 15 * SCALE, pools=("wide", "thin"))
+    args = ["--pool", "wide:layers=2,kv-heads=2,head-dim=8,dtype=float32,block-size=4",
+            "--pool", "thin:layers=1,kv-heads=2,head-dim=8,dtype=float32,block-size=4,window=9",
+            "--model", "both:wide,thin", "--memory", str((12 * num_workers + 8) * 1024)]
+    handle = daemon_factory(args)
+    summary = run_stress(handle, num_workers, 15 * SCALE, worker_pools=(("wide", "thin"),
+                                                                        ("thin",)),
+                         model="both", restart_args=args)
     report(summary)
     check(summary)
     assert summary["slab_moves"] > 0, summary  # memory moved between the pools under churn
+    assert summary["daemon_restarts"] == 2 and summary["restarts"] > 0, summary
+    assert summary["model_cycles"] > 0 and summary["seq_cycles"] > 0, summary
 
 
 @pytest.mark.slow

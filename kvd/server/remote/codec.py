@@ -46,6 +46,7 @@ import json
 import struct
 import zlib
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
@@ -58,6 +59,7 @@ FORMAT_VERSION = 1
 MAGIC = b"KVDB"
 HEADER = struct.Struct("<4sBBBB8sQII")  # (the two reserved fields are 0: checked)
 MAX_HASH_NBYTES = 64
+MAX_VALUE_NBYTES = 512 << 20  # Redis' largest string (proto-max-bulk-len's default)
 SCHEMES = ("redis", "redis-cluster")
 DEFAULT_PORT = 6379
 
@@ -121,6 +123,23 @@ def geometry_digest(geometry: Geometry) -> bytes:
     shape = {k: v for k, v in geometry.to_dict().items() if k != "num_blocks"}
     text = json.dumps(shape, sort_keys=True).encode()
     return hashlib.blake2b(text, digest_size=8, person=b"kvd-geometry").digest()
+
+
+def check_block(pool: str, geometry: Geometry) -> None:
+    """A typed error where a block of the pool would not fit in one Redis value."""
+    if HEADER.size + MAX_HASH_NBYTES + geometry.block_nbytes > MAX_VALUE_NBYTES:
+        raise BadArgsError(f"pool {pool!r}: its {geometry.block_nbytes}-byte blocks do not fit "
+                           f"a Redis value ({MAX_VALUE_NBYTES >> 20} MiB) for --remote: lower "
+                           "its block-size, or split its layers over two pools")
+
+
+class Blocks(Protocol):
+    """A pool's blocks as rows of bytes, `blocks[block_id]` (uint8 [block_nbytes]): a segment's
+    one pool as an array, or a pool's blocks in the slabs it shares with others."""
+
+    def __getitem__(self, block_id: int, /) -> Any: ...
+
+    def __setitem__(self, block_id: int, value: Any, /) -> None: ...
 
 
 class BlockCodec:

@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from kvd.errors import BadArgsError
-from kvd.server.remote.codec import BlockCodec, RemoteURL
+from kvd.server.remote.codec import BlockCodec, Blocks, RemoteURL
 
 log = logging.getLogger("kvd")
 
@@ -117,11 +117,11 @@ class RemoteTier:
         self._done_r, self._done_w = socket.socketpair()
         self._done_r.setblocking(False)
         self._done_w.setblocking(False)
-        self.blocks: np.ndarray | None = None  # uint8 [num_blocks, block_nbytes] of the segment
+        self.blocks: Blocks | None = None  # the pool's blocks, uint8 [block_nbytes] each
         self._generations: np.ndarray | None = None
 
     # ---- life --------------------------------------------------------------------------
-    def start(self, blocks: np.ndarray, generations: np.ndarray) -> None:
+    def start(self, blocks: Blocks, generations: np.ndarray) -> None:
         """Serve the segment's blocks (`blocks`: uint8 [num_blocks, block_nbytes])."""
         self.blocks, self._generations = blocks, generations
         for name, target in (("kvd-remote-write", self._write_loop),

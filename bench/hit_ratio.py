@@ -17,10 +17,12 @@ with 2% of the requests dropped (how much a cell moves by chance), and generated
 reuse (`generated_trace`). It prints kvd / best of five per cell in both modes and a summary per
 group of traces: DIR gets hit_ratio_generalisation.md and .json.
 
-`--sharing` (issue 31 item 4, about 10 minutes) replays the conversation trace into pool A and the
+`--sharing` (issue 31 item 4, a few minutes) replays the conversation trace into pool A and the
 synthetic trace into pool B, interleaved by timestamp, the pools sharing one budget through
 kvd/core/arena.py, next to every static split of that budget from 10 % to 90 %, at five budgets:
-DIR gets hit_ratio_sharing.md and .json.
+DIR gets hit_ratio_sharing[_PAIRING].md and .json. `--pairing` replays another pair instead
+(SHARING_PAIRINGS: the traces swapped, equal block sizes, generated traces), to check that the
+arena's rule is not fitted to the first pair.
 """
 
 from __future__ import annotations
@@ -55,6 +57,15 @@ NUM_DROPPED_COPIES = 4
 # budgets in blocks of their mean size, from tight to ample.
 SHARING_BLOCK_NBYTES = (2 << 20, 512 << 10)
 SHARING_BUDGETS = (1000, 2000, 5000, 10000, 20000)
+# --pairing NAME: (pool A's trace, pool B's trace, block bytes), traces named as in
+# generalisation_traces() or TRACE_NAMES.
+SHARING_PAIRINGS = {
+    "conversation-synthetic": (TRACE_NAMES[1], TRACE_NAMES[0], SHARING_BLOCK_NBYTES),
+    "synthetic-conversation": (TRACE_NAMES[0], TRACE_NAMES[1], SHARING_BLOCK_NBYTES),
+    "equal-blocks": (TRACE_NAMES[1], TRACE_NAMES[0], (1 << 20, 1 << 20)),
+    "documents-chat": ("generated documents", "generated chat-recent", SHARING_BLOCK_NBYTES),
+    "scans-chat": ("generated scans", "generated chat", (2 << 20, 768 << 10)),
+}
 
 
 def markdown(trace_name: str, rows: list[Row]) -> str:
@@ -246,21 +257,30 @@ def _of_best(rows: list[Row], capacity: int) -> float:
     return ratio[DEFAULT_POLICY] / best if best else 1.0
 
 
-def sharing(out: Path | None) -> None:
-    """Issue 31 item 4: the conversation trace into pool A, the synthetic one into pool B (block
-    bytes SHARING_BLOCK_NBYTES), interleaved by timestamp, sharing one budget: the arena vs every
-    static split 10 %..90 % to A, at five budgets (in blocks of the mean block size)."""
-    conversation, synthetic = (load_trace(TRACES / name) for name in reversed(TRACE_NAMES))
-    traces = [conversation, synthetic]
+def sharing_trace(name: str) -> list[Request]:
+    """A trace of TRACE_NAMES, or a generated one of GENERATED ("generated NAME")."""
+    if name in TRACE_NAMES:
+        return load_trace(TRACES / name)
+    _, seed, knobs = next(each for each in GENERATED if f"generated {each[0]}" == name)
+    return generated_trace(seed=seed, **knobs)
+
+
+def sharing(out: Path | None, pairing: str = "conversation-synthetic") -> None:
+    """Issue 31 item 4: by default the conversation trace into pool A, the synthetic one into
+    pool B (block bytes SHARING_BLOCK_NBYTES), interleaved by timestamp, sharing one budget: the
+    arena vs every static split 10 %..90 % to A, at five budgets (in blocks of the mean block
+    size). `pairing` names another pair of SHARING_PAIRINGS."""
+    name_a, name_b, block_nbytes = SHARING_PAIRINGS[pairing]
+    traces = [sharing_trace(name_a), sharing_trace(name_b)]
 
     def ratio(shares: list[float] | None, budget: int) -> float:
-        counts = replay_shared(traces, SHARING_BLOCK_NBYTES, budget, DEFAULT_POLICY, shares)
+        counts = replay_shared(traces, block_nbytes, budget, DEFAULT_POLICY, shares)
         return (sum(count.num_prefix_hits for count in counts)
                 / sum(count.num_refs for count in counts))
 
     rows = []
     for num_blocks in SHARING_BUDGETS:
-        budget = num_blocks * sum(SHARING_BLOCK_NBYTES) // len(SHARING_BLOCK_NBYTES)
+        budget = num_blocks * sum(block_nbytes) // len(block_nbytes)
         static = {share: ratio([share / 100, 1 - share / 100], budget)
                   for share in range(10, 100, 10)}
         best = max(static, key=static.__getitem__)
@@ -280,13 +300,14 @@ def sharing(out: Path | None) -> None:
           f"{row['static'][50]:.4f}", f"{row['arena_of_best']:.3f}", f"{row['arena_of_half']:.3f}",
           f"{row['best_of_half']:.3f}") for row in rows])
     text = ("Two traces into two pools sharing one budget, combined prefix hit ratio "
-            f"(A: conversation, {SHARING_BLOCK_NBYTES[0]} B blocks; B: synthetic, "
-            f"{SHARING_BLOCK_NBYTES[1]} B blocks; policy {DEFAULT_POLICY}):\n\n" + table)
+            f"(A: {name_a}, {block_nbytes[0]} B blocks; B: {name_b}, "
+            f"{block_nbytes[1]} B blocks; policy {DEFAULT_POLICY}):\n\n" + table)
     print(text)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "hit_ratio_sharing.md").write_text(text)
-        write_json(out, "hit_ratio_sharing", rows)
+        stem = "hit_ratio_sharing" + ("" if pairing == "conversation-synthetic" else f"_{pairing}")
+        (out / f"{stem}.md").write_text(text)
+        write_json(out, stem, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="check the default policy on unseen traces (module docstring)")
     parser.add_argument("--sharing", action="store_true",
                         help="two traces into two pools sharing a budget (module docstring)")
+    parser.add_argument("--pairing", choices=SHARING_PAIRINGS, default="conversation-synthetic",
+                        help="--sharing: the pair of traces (module docstring)")
     parser.add_argument("--out", type=Path, help="write the table, JSON rows and plots here")
     args = parser.parse_args(argv)
     missing = [name for name in TRACE_NAMES if not (TRACES / name).is_file()]
@@ -314,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         generalisation(args.out)
         return 0
     if args.sharing:
-        sharing(args.out)
+        sharing(args.out, args.pairing)
         return 0
     print(replay_all(args.out, args.mode, DEFAULT_CAPACITIES, prefix_tree=not args.no_prefix_tree))
     return 0

@@ -51,16 +51,29 @@ of it buys more prefix hits, and settles where the marginal gains are equal. Wit
 hits (say neither pool re-reads anything) the slab ages decide: a slab's stamp is the arena's
 clock (one tick per lookup and allocation, any pool) when a block of it was last allocated or
 hit, and a slab colder than P's coldest goes (memcached's slab automover: a global LRU at slab
-granularity), so an idle pool's memory ages and a busy one takes it (item 2 of issue 31). Which
-slab leaves a donor is always its coldest takeable one. Inside a pool its own policy still
-chooses every victim. bench/hit_ratio.py --sharing measures the rule against static splits;
-GHOST_SHARE and GHOST_HALF_LIFE are the values that did best there (docs/pools.md).
+granularity), so an idle pool's memory ages and a busy one takes it (item 2 of issue 31).
+
+Which slab leaves the donor: the slab of the donor's own policy victim when no other block of
+it was used after the victim (each block's last use is stamped too), else the donor's coldest
+takeable slab. The first keeps the donor's eviction order: a pool whose slab holds one block
+(the largest geometry) loses exactly the block its policy would have evicted next, and a pool
+with several blocks per slab loses with it only blocks no more recently used. The second
+guards against the slab-mates of a victim being hot (a shared prefix allocated next to a
+one-off block): evicting them would take their whole subtrees. Taking the coldest slab always
+would bypass the donor's policy for most of its evictions (a pool whose memory is taken by
+another pool's long requests loses most of its blocks that way), and the policies beat a
+slab-granular LRU by up to 10 % (bench/hit_ratio.py --sharing, docs/pools.md). A victim whose
+slab is refused goes with the move all the same (`give_back` evicts a chosen victim first): it
+was the donor's next eviction anyway. Inside a pool its own policy still chooses every victim.
+bench/hit_ratio.py --sharing measures the rule against static splits; GHOST_SHARE and
+GHOST_HALF_LIFE are the values that did best there (docs/pools.md).
 
 Costs: a refill compares the stamps of the slabs (NumPy passes over `num_slabs`); a move
-evicts at most one slab of blocks and filters the donor's free list once; `num_available`
+asks the donor's policy for one victim, compares `blocks_per_slab` stamps, evicts at most one
+slab of blocks (and the victim) and filters the donor's free list once; `num_available`
 scans every pool's states (O(id space), off the hot path). The hot path (a pool with free
-blocks) pays one stamp per allocated or hit block, and a lookup with a miss one ghost probe per
-missing key up to the first one not remembered.
+blocks) pays two stamps (slab and block) per allocated or hit block, and a lookup with a miss
+one ghost probe per missing key up to the first one not remembered.
 """
 
 from __future__ import annotations
@@ -229,8 +242,10 @@ class Arena:
         """Tick the clock and mark the slabs of these blocks as just used."""
         self.clock += 1
         bps, stamps, clock = pool.blocks_per_slab, self.stamps, self.clock
+        last_used = pool.last_used
         for block_id in block_ids:
             stamps[block_id // bps] = clock
+            last_used[block_id] = clock
 
     def count_lookup(self, pool: ArenaPool, keys: Sequence[Hashable], num_hits: int) -> None:
         """Count the lookup's misses that `pool` evicted lately and that would have extended its
@@ -262,8 +277,9 @@ class Arena:
             self._give(slab, pool)
 
     def _donor_slab(self, pool: ArenaPool, must_grow: bool) -> int | None:
-        """Another pool's coldest slab that can be taken (colder than `pool`'s coldest unless
-        `must_grow`), or None."""
+        """A slab of the pool owning another pool's coldest slab that can be taken (colder than
+        `pool`'s coldest unless `must_grow`): its policy victim's if `victim_slab` allows,
+        else that coldest slab; or None."""
         owner, stamps = self.owner, self.stamps
         is_other = (owner != UNOWNED) & (owner != pool.number)
         if not must_grow:
@@ -277,7 +293,13 @@ class Arena:
             is_tie = np.array([each is not None and each.ghost_hits == pool.ghost_hits
                                for each in self.pools])[owner[candidates]]
             candidates = candidates[~is_tie | (stamps[candidates] < coldest_own)]
-        for slab in candidates[np.argsort(stamps[candidates], kind="stable")].tolist():
+        coldest_first = candidates[np.argsort(stamps[candidates], kind="stable")].tolist()
+        if coldest_first:
+            donor = self.pools[owner[coldest_first[0]]]
+            slab = None if donor is None else donor.victim_slab()
+            if slab is not None:
+                return slab
+        for slab in coldest_first:
             donor = self.pools[owner[slab]]
             if donor is not None and donor.can_give(slab):
                 return slab
@@ -334,6 +356,7 @@ class ArenaPool(BlockPool):
         super().__init__(num_ids, cast(EvictionPolicy, self.ghosts), generations, observer)
         self.arena, self.number = arena, number
         self.ghost_hits = 0.0
+        self.last_used = np.zeros(num_ids, dtype=np.int64)  # per block, the arena's clock
         self.blocks_per_slab = arena.blocks_per_slab[number]
         self.block_nbytes = arena.block_nbytes[number]
         self.tables.counts[NUM_FREE] = 0  # every id ABSENT until the arena gives a slab
@@ -408,6 +431,23 @@ class ArenaPool(BlockPool):
     # ---- slabs ---------------------------------------------------------------------------
     def _slab_ids(self, slab: int) -> range:
         return range(slab * self.blocks_per_slab, (slab + 1) * self.blocks_per_slab)
+
+    def victim_slab(self) -> int | None:
+        """The slab of the policy's victim (chosen now unless it is chosen already: it stays
+        CACHED until evicted, the pool's NEXT_VICTIM) if the slab can be given and none of its
+        blocks was used after the victim; None otherwise, the victim still chosen."""
+        counts = self.tables.counts
+        block_id = counts[NEXT_VICTIM]
+        if block_id == NO_BLOCK:
+            if not self.num_cached:
+                return None
+            block_id = counts[NEXT_VICTIM] = self._policy_victim()
+        slab = block_id // self.blocks_per_slab
+        ids = self._slab_ids(slab)
+        if (self.last_used[ids.start:ids.stop].max() > self.last_used[block_id]
+                or not self.can_give(slab)):
+            return None
+        return slab
 
     def can_give(self, slab: int) -> bool:
         """Whether every block of the slab is FREE or CACHED (nothing pinned or owned)."""

@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from kvd.core.arena import Arena, choose_slab_nbytes
-from kvd.core.policies import POLICIES
+from kvd.core.arena import Arena, GhostPolicy, choose_slab_nbytes
+from kvd.core.policies import POLICIES, make_policy
 from kvd.errors import BadArgsError
 
 A, B = 1, 2  # owners (sessions)
@@ -138,3 +138,64 @@ def test_random_mix_keeps_every_invariant(policy):
             arena.check_invariants()
     arena.check_invariants()
     assert arena.num_moves > 0
+
+
+def hit(pool, keys, times=1, owner=A):
+    """Look `keys` up (all cached) and release them, `times` times."""
+    for _ in range(times):
+        block_ids = pool.lookup(keys, owner)
+        assert len(block_ids) == len(keys)
+        pool.release(block_ids, owner)
+
+
+def test_a_one_block_slab_leaves_in_its_pools_policy_order():
+    """The donor loses its policy's victim (LFU: the least hit), not its least recent block."""
+    arena = Arena(4 * 4096, [4096, 4096], slab_nbytes=4096)
+    donor, taker = arena.add_pool(0, "lfu"), arena.add_pool(1, "lfu")
+    fill(donor, [("a", 0), ("a", 1)], parents=False)
+    hit(donor, [("a", 0), ("a", 1)], times=3)  # frequent, then never again: the coldest slabs
+    fill(donor, [("a", 2), ("a", 3)], parents=False)  # newer, never hit
+    assert taker.allocate(1, B) is not None
+    kept = [donor.find(("a", i)) is not None for i in range(4)]
+    assert kept[:2] == [True, True] and kept[2:].count(False) == 1
+    arena.check_invariants()
+
+
+def test_a_victims_slab_with_a_block_used_after_it_stays():
+    """Two blocks a slab: the victim's slab-mate was used after it, so the coldest slab goes."""
+    arena = Arena(4 * 8192, [4096, 8192], slab_nbytes=8192)
+    donor, taker = arena.add_pool(0, "lfu"), arena.add_pool(1, "lfu")
+    fill(donor, [("s", 0), ("s", 1)], parents=False)  # slab 0
+    others = [("s", i) for i in range(2, 8)]
+    for number in range(3):  # slabs 1, 2 and 3
+        fill(donor, others[2 * number:2 * number + 2], parents=False)
+    for number in range(3):  # hit often, slab 1 first: it is the coldest
+        hit(donor, others[2 * number:2 * number + 2], times=3)
+    hit(donor, [("s", 0)], times=3)  # LFU's victim is ("s", 1); its slab-mate is the newest
+    assert taker.allocate(1, B) is not None
+    assert donor.find(("s", 0)) is not None
+    assert donor.find(("s", 2)) is None and donor.find(("s", 3)) is None  # slab 1 went
+    assert donor.find(("s", 1)) is None  # the chosen victim: evicted with the move
+    arena.check_invariants()
+
+
+def test_a_victims_slab_with_an_owned_block_stays():
+    arena = Arena(2 * 8192, [4096, 8192], slab_nbytes=8192)
+    donor, taker = arena.add_pool(0, "lfu"), arena.add_pool(1, "lfu")
+    fill(donor, [("s", 0)])  # block 0 of slab 0, cached: LFU's victim
+    [owned] = donor.allocate(1, A)  # block 1 of slab 0
+    fill(donor, [("s", 2), ("s", 3)], parents=False)  # slab 1
+    hit(donor, [("s", 2), ("s", 3)], times=3)
+    assert taker.allocate(1, B) is not None
+    assert donor.state(owned) == "owned" and donor.find(("s", 2)) is None
+    arena.check_invariants()
+
+
+def test_the_ghost_list_keeps_the_newest_keys_let_go_up_to_its_limit():
+    ghosts = GhostPolicy(make_policy("lru", 16), limit=3)
+    for key in range(10):
+        ghosts.inserted(key)
+    let_go = [ghosts.victim() for _ in range(5)]
+    ghosts.discard(8)
+    let_go.append(8)
+    assert len(ghosts) == 4 and list(ghosts.keys) == let_go[-3:]

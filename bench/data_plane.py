@@ -53,12 +53,13 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import (Daemon, ServerProcess, bench_main, markdown_table, progress, pyplot, report,
-                          save_plot)
+from bench.common import (Daemon, GeometryFlags, ServerProcess, bench_main, markdown_table, progress,
+                          pyplot, report, save_plot)
 from kvd.blockcopy import STREAMING_MIN_NBYTES, page_aligned_empty
 from workers.model import PagedKV
 
-GEOMETRY = {"layers": 4, "kv_heads": 8, "head_dim": 128, "block_size": 16, "dtype": "float16"}
+GEOMETRY: GeometryFlags = {"layers": 4, "kv_heads": 8, "head_dim": 128, "block_size": 16,
+                           "dtype": "float16"}
 GOAL_PRIVATE_RATIO = 0.9
 EXPECTED_REDIS_SPEEDUP = 10.0
 LAYER = 1  # any layer costs the same

@@ -37,12 +37,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import (OWNER, ROOT, Daemon, child_env, digests, geometry_of, markdown_table,
-                          progress, report)
+from bench.common import (OWNER, ROOT, Daemon, GeometryFlags, child_env, digests, geometry_of,
+                          markdown_table, progress, report)
 
 # 32-byte blocks: `Daemon`'s flags for `kvd start`, and geometry_of's for an in-process daemon.
-GEOMETRY: dict[str, Any] = {"layers": 1, "kv_heads": 1, "head_dim": 8, "block_size": 1,
-                            "dtype": "float16"}
+GEOMETRY: GeometryFlags = {"layers": 1, "kv_heads": 1, "head_dim": 8, "block_size": 1,
+                           "dtype": "float16"}
 COMMIT_EVERY = 65_536
 GOAL_RECOVERY_S = 2.0
 STEPS = ("end_to_end", "journal_load", "pool_build", "pool_restore")

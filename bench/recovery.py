@@ -81,11 +81,14 @@ def child_fill(name: str, num_blocks: int) -> dict[str, Any]:
     """Seal the whole pool through the daemon's pool and journal, churn, then die like a crash."""
     started = time.perf_counter()
     from kvd.server.daemon import launch
+    from kvd.server.journal import Journal
 
     config = daemon_config(name, num_blocks, recover=False)
     daemon = launch(config)
     pool, journal = daemon.service.pool, daemon.journal
+    assert isinstance(journal, Journal)  # one pool, journaled (DaemonConfig's default)
     block_ids = pool.allocate(num_blocks, OWNER)
+    assert block_ids is not None  # a new pool has them all
     random.Random(0).shuffle(block_ids)  # seal order is not block order after real traffic
     for start in range(0, num_blocks, COMMIT_EVERY):
         chunk = block_ids[start:start + COMMIT_EVERY]

@@ -172,7 +172,8 @@ class RedisKV:
         pipe = self.client.pipeline(transaction=False)
         for part, data in (("k", keys), ("v", values)):
             blocks = data.reshape(len(self.names[part]), -1)
-            pipe.mset({name: memoryview(block).cast("B")
+            # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+            pipe.mset({name: memoryview(block).cast("B")  # type: ignore[arg-type]
                        for name, block in zip(self.names[part], blocks)})
         pipe.execute()
 
@@ -180,9 +181,9 @@ class RedisKV:
         pipe = self.client.pipeline(transaction=False)
         for part in ("k", "v"):
             pipe.mget(self.names[part])
-        for part, blobs in enumerate(pipe.execute()):
+        for index, blobs in enumerate(pipe.execute()):
             for block, blob in enumerate(blobs):
-                self._gathered[part, block] = np.frombuffer(blob, dtype=self._gathered.dtype)
+                self._gathered[index, block] = np.frombuffer(blob, dtype=self._gathered.dtype)
         tokens = self._gathered.reshape(2, -1, *self._token_shape)
         return tokens[0], tokens[1]
 
@@ -265,7 +266,8 @@ def measure(pool: np.ndarray, small_pages: mmap.mmap, table: list[int],
     # What the streaming stores of a large write buy (kvd/blockcopy.py), side by side.
     paged["kvd_ordinary"] = PagedKV(pool, table, streaming_min_nbytes=math.inf)
     writes = {name: partial(kv.write, LAYER, 0, keys, values) for name, kv in paged.items()}
-    gathers = {name: partial(kv.gather, LAYER, num_tokens) for name, kv in paged.items()}
+    gathers: dict[str, Callable[[], tuple[np.ndarray, np.ndarray]]] = {
+        name: partial(kv.gather, LAYER, num_tokens) for name, kv in paged.items()}
     if server is not None:
         progress(f"data plane: Redis ({redis_parser()}) taking turns with the others")
         results["redis_parser"] = redis_parser()

@@ -51,7 +51,7 @@ OWNER = 1  # the session id a bench gives a bare BlockPool's calls
 
 
 class GeometryFlags(TypedDict):
-    """`kvd start`'s geometry flags as `Daemon`'s keyword arguments (and `geometry_of`) take them."""
+    """`kvd start`'s geometry flags, as `Daemon`'s keywords and `geometry_of` take them."""
     layers: int
     kv_heads: int
     head_dim: int

@@ -53,8 +53,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import (Daemon, GeometryFlags, ServerProcess, bench_main, markdown_table, progress,
-                          pyplot, report, save_plot)
+from bench.common import (Daemon, GeometryFlags, ServerProcess, bench_main, markdown_table,
+                          progress, pyplot, report, save_plot)
 from kvd.blockcopy import STREAMING_MIN_NBYTES, page_aligned_empty
 from workers.model import PagedKV
 

@@ -36,7 +36,8 @@ import numpy as np
 
 import kvd
 from bench.common import (
-    ROOT, Daemon, GeometryFlags, bench_main, child_env, markdown_table, percentiles, progress, report,
+    ROOT, Daemon, GeometryFlags, bench_main, child_env, markdown_table, percentiles, progress,
+    report,
 )
 from kvd.protocol import PROTOCOL_VERSION, FrameDecoder, decode_reply, encode_request
 

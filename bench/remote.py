@@ -73,7 +73,8 @@ class _RemoteFlags(TypedDict, total=False):
 
 def _daemon(num_blocks: int, geometry: GeometryFlags, remote: str | None = None,
             timeout_ms: int = 5000) -> Daemon:
-    extra: _RemoteFlags = {} if remote is None else {"remote": remote, "remote_timeout_ms": timeout_ms}
+    extra: _RemoteFlags = ({} if remote is None
+                           else {"remote": remote, "remote_timeout_ms": timeout_ms})
     return Daemon(num_blocks, journal=True, **geometry, **extra)
 
 

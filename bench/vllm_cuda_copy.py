@@ -68,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvd.geometry import Geometry
     from kvd.integrations.vllm.layout import TORCH_DTYPES, HostPool, PagedLayer
 
-    shape: GeometryFlags = {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-                            "block_size": args.block_size, "dtype": args.dtype}
+    shape: GeometryFlags = {"layers": args.layers, "kv_heads": args.kv_heads,
+                            "head_dim": args.head_dim, "block_size": args.block_size,
+                            "dtype": args.dtype}
     geometry = Geometry(num_blocks=args.blocks, num_layers=args.layers,
                         block_size=args.block_size, num_kv_heads=args.kv_heads,
                         head_dim=args.head_dim, dtype=args.dtype)

@@ -36,7 +36,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import msgpack
 
@@ -49,8 +49,19 @@ SHARED_TRACES = Path(os.environ.get("KVD_TRACES") or ROOT.parent / "shared" / "t
 PLOT_DPI = 100
 OWNER = 1  # the session id a bench gives a bare BlockPool's calls
 
+
+class GeometryFlags(TypedDict):
+    """`kvd start`'s geometry flags, as `Daemon`'s keywords and `geometry_of` take them."""
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+
 # Small blocks keep the segment tiny where only metadata is measured (control plane, scaling).
-TINY_GEOMETRY = {"layers": 1, "kv_heads": 1, "head_dim": 8, "block_size": 16, "dtype": "float16"}
+TINY_GEOMETRY: GeometryFlags = {"layers": 1, "kv_heads": 1, "head_dim": 8, "block_size": 16,
+                                "dtype": "float16"}
 _STARTED = time.monotonic()
 _LENGTH = struct.Struct(">I")
 
@@ -65,7 +76,7 @@ def digests(start: int, count: int) -> list[bytes]:
     return [i.to_bytes(16, "little") for i in range(start, start + count)]
 
 
-def geometry_of(num_blocks: int, geometry: dict[str, Any] = TINY_GEOMETRY) -> Geometry:
+def geometry_of(num_blocks: int, geometry: GeometryFlags = TINY_GEOMETRY) -> Geometry:
     """The Geometry `kvd start` builds from these flags (`Daemon`'s keyword arguments)."""
     return Geometry(num_blocks=num_blocks, num_layers=geometry["layers"],
                     block_size=geometry["block_size"], num_kv_heads=geometry["kv_heads"],
@@ -94,7 +105,7 @@ class Daemon:
 
     def __init__(self, num_blocks: int, journal: bool = False, policy: str = "default",
                  recover: bool = False, name: str | None = None, runtime_dir: str | None = None,
-                 flags: Sequence[str] = (), **geometry: Any) -> None:
+                 flags: Sequence[str] = (), **geometry: int | str) -> None:
         self.owns_runtime_dir = runtime_dir is None
         self.runtime_dir = runtime_dir or tempfile.mkdtemp(prefix="kvdb-", dir="/tmp")
         self.name = name or f"bench-{uuid.uuid4().hex[:8]}"

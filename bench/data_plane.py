@@ -53,12 +53,13 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import (Daemon, ServerProcess, bench_main, markdown_table, progress, pyplot, report,
-                          save_plot)
+from bench.common import (Daemon, GeometryFlags, ServerProcess, bench_main, markdown_table,
+                          progress, pyplot, report, save_plot)
 from kvd.blockcopy import STREAMING_MIN_NBYTES, page_aligned_empty
 from workers.model import PagedKV
 
-GEOMETRY = {"layers": 4, "kv_heads": 8, "head_dim": 128, "block_size": 16, "dtype": "float16"}
+GEOMETRY: GeometryFlags = {"layers": 4, "kv_heads": 8, "head_dim": 128, "block_size": 16,
+                           "dtype": "float16"}
 GOAL_PRIVATE_RATIO = 0.9
 EXPECTED_REDIS_SPEEDUP = 10.0
 LAYER = 1  # any layer costs the same
@@ -171,7 +172,8 @@ class RedisKV:
         pipe = self.client.pipeline(transaction=False)
         for part, data in (("k", keys), ("v", values)):
             blocks = data.reshape(len(self.names[part]), -1)
-            pipe.mset({name: memoryview(block).cast("B")
+            # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+            pipe.mset({name: memoryview(block).cast("B")  # type: ignore[arg-type]
                        for name, block in zip(self.names[part], blocks)})
         pipe.execute()
 
@@ -179,9 +181,9 @@ class RedisKV:
         pipe = self.client.pipeline(transaction=False)
         for part in ("k", "v"):
             pipe.mget(self.names[part])
-        for part, blobs in enumerate(pipe.execute()):
+        for index, blobs in enumerate(pipe.execute()):
             for block, blob in enumerate(blobs):
-                self._gathered[part, block] = np.frombuffer(blob, dtype=self._gathered.dtype)
+                self._gathered[index, block] = np.frombuffer(blob, dtype=self._gathered.dtype)
         tokens = self._gathered.reshape(2, -1, *self._token_shape)
         return tokens[0], tokens[1]
 
@@ -264,7 +266,8 @@ def measure(pool: np.ndarray, small_pages: mmap.mmap, table: list[int],
     # What the streaming stores of a large write buy (kvd/blockcopy.py), side by side.
     paged["kvd_ordinary"] = PagedKV(pool, table, streaming_min_nbytes=math.inf)
     writes = {name: partial(kv.write, LAYER, 0, keys, values) for name, kv in paged.items()}
-    gathers = {name: partial(kv.gather, LAYER, num_tokens) for name, kv in paged.items()}
+    gathers: dict[str, Callable[[], tuple[np.ndarray, np.ndarray]]] = {
+        name: partial(kv.gather, LAYER, num_tokens) for name, kv in paged.items()}
     if server is not None:
         progress(f"data plane: Redis ({redis_parser()}) taking turns with the others")
         results["redis_parser"] = redis_parser()

@@ -34,10 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import (ROOT, Daemon, child_env, markdown_table, progress, pyplot, report,
-                          save_plot)
+from bench.common import (ROOT, Daemon, GeometryFlags, child_env, markdown_table, progress, pyplot,
+                          report, save_plot)
 
-GEOMETRY = {"layers": 4, "kv_heads": 2, "head_dim": 32, "block_size": 16, "dtype": "float32"}
+GEOMETRY: GeometryFlags = {"layers": 4, "kv_heads": 2, "head_dim": 32, "block_size": 16,
+                           "dtype": "float32"}
 FULL_WORKLOAD = {"system_prompts": 3, "system_tokens": 512, "conversations": 3, "turns": 4,
                  "user_tokens": 48, "new_tokens": 32}
 QUICK_WORKLOAD = {"system_prompts": 2, "system_tokens": 128, "conversations": 1, "turns": 2,

@@ -33,6 +33,7 @@ import random
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any, TypedDict
 
 from bench.common import SHARED_TRACES as TRACES
 from bench.common import markdown_table, write_json
@@ -45,8 +46,33 @@ CLASSIC = ("lru", "lfu", "arc", "s3fifo", "sieve")
 TIER_SHARES = (None, "prefill=0.95,decode=0.05", "prefill=0.9,decode=0.1",
                "prefill=0.8,decode=0.2", "prefill=0.7,decode=0.3", "prefill=0.5,decode=0.5")
 TIER_CAPACITIES = (1000, 2000, 5000, 10000, 20000)
+
+
+class TraceKnobs(TypedDict, total=False):
+    """generated_trace's keyword arguments (its docstring says what each does)."""
+    p_new: float
+    num_live: int
+    recent_bias: bool
+    num_documents: int
+    turn_blocks: tuple[int, int]
+    p_one_shot: float
+
+
+class SharingRow(TypedDict):
+    """--sharing at one budget: the arena's combined prefix hit ratio beside each static split's
+    (by percent of the budget to pool A)."""
+    budget_blocks: int
+    budget_nbytes: int
+    arena: float
+    static: dict[int, float]
+    best_share_a: int
+    arena_of_best: float
+    arena_of_half: float
+    best_of_half: float
+
+
 # Generated traces for --generalisation: (name, seed, generated_trace keywords).
-GENERATED = (
+GENERATED: tuple[tuple[str, int, TraceKnobs], ...] = (
     ("chat", 11, {}),  # multi-turn chats, any live conversation may continue
     ("chat-recent", 12, {"recent_bias": True, "num_live": 2000}),  # recent ones likelier
     ("documents", 13, {"p_new": 0.6, "num_documents": 800, "turn_blocks": (1, 3)}),
@@ -123,7 +149,8 @@ def run_bench(quick: bool, out: Path) -> str:
 
 def tier_study(out: Path | None) -> None:
     """Prefix hit ratio of the default policy with decode blocks, per split and capacity."""
-    tables, all_rows = [], {}
+    tables: list[str] = []
+    all_rows: dict[str, dict[str, list[dict[str, Any]]]] = {}  # trace, split: replay rows
     header = "| split | " + " | ".join(f"{c // 1000}k" for c in TIER_CAPACITIES) + " |"
     for trace_name in TRACE_NAMES:
         trace = load_trace(TRACES / trace_name)
@@ -278,7 +305,7 @@ def sharing(out: Path | None, pairing: str = "conversation-synthetic") -> None:
         return (sum(count.num_prefix_hits for count in counts)
                 / sum(count.num_refs for count in counts))
 
-    rows = []
+    rows: list[SharingRow] = []
     for num_blocks in SHARING_BUDGETS:
         budget = num_blocks * sum(block_nbytes) // len(block_nbytes)
         static = {share: ratio([share / 100, 1 - share / 100], budget)

@@ -36,13 +36,14 @@ import numpy as np
 
 import kvd
 from bench.common import (
-    ROOT, Daemon, bench_main, child_env, markdown_table, percentiles, progress, report,
+    ROOT, Daemon, GeometryFlags, bench_main, child_env, markdown_table, percentiles, progress,
+    report,
 )
 from kvd.protocol import PROTOCOL_VERSION, FrameDecoder, decode_reply, encode_request
 
 BLOCK_SIZE = 4
-GEOMETRY = {"layers": 1, "kv_heads": 1, "head_dim": 8, "block_size": BLOCK_SIZE,
-            "dtype": "float32"}
+GEOMETRY: GeometryFlags = {"layers": 1, "kv_heads": 1, "head_dim": 8, "block_size": BLOCK_SIZE,
+                           "dtype": "float32"}
 MISS = [b"\x00" * 16]  # a lookup that finds nothing: the cheapest round trip through the pool
 
 

@@ -64,9 +64,11 @@ def open_pools(state_dir: str, num_pools: int, num_blocks: int, journaled: bool,
     pools = [BlockPool(num_blocks // num_pools, "default", observer=journals.get(f"p{index}"))
              for index in range(num_pools)]
     first_key = 0
-    for pool, journal in zip(pools, [*journals.values()] or [None] * num_pools):
+    each_journal: list[Journal | None] = [*journals.values()] or [None] * num_pools
+    for pool, journal in zip(pools, each_journal):
         pool_keys = digests(first_key, pool.num_blocks)
         block_ids = pool.allocate(pool.num_blocks, OWNER)
+        assert block_ids is not None  # a new pool has them all
         pool.seal(block_ids, pool_keys, OWNER)
         pool.release(block_ids, OWNER)
         first_key += pool.num_blocks

@@ -37,12 +37,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import (OWNER, ROOT, Daemon, child_env, digests, geometry_of, markdown_table,
-                          progress, report)
+from bench.common import (OWNER, ROOT, Daemon, GeometryFlags, child_env, digests, geometry_of,
+                          markdown_table, progress, report)
 
 # 32-byte blocks: `Daemon`'s flags for `kvd start`, and geometry_of's for an in-process daemon.
-GEOMETRY: dict[str, Any] = {"layers": 1, "kv_heads": 1, "head_dim": 8, "block_size": 1,
-                            "dtype": "float16"}
+GEOMETRY: GeometryFlags = {"layers": 1, "kv_heads": 1, "head_dim": 8, "block_size": 1,
+                           "dtype": "float16"}
 COMMIT_EVERY = 65_536
 GOAL_RECOVERY_S = 2.0
 STEPS = ("end_to_end", "journal_load", "pool_build", "pool_restore")
@@ -81,11 +81,14 @@ def child_fill(name: str, num_blocks: int) -> dict[str, Any]:
     """Seal the whole pool through the daemon's pool and journal, churn, then die like a crash."""
     started = time.perf_counter()
     from kvd.server.daemon import launch
+    from kvd.server.journal import Journal
 
     config = daemon_config(name, num_blocks, recover=False)
     daemon = launch(config)
     pool, journal = daemon.service.pool, daemon.journal
+    assert isinstance(journal, Journal)  # one pool, journaled (DaemonConfig's default)
     block_ids = pool.allocate(num_blocks, OWNER)
+    assert block_ids is not None  # a new pool has them all
     random.Random(0).shuffle(block_ids)  # seal order is not block order after real traffic
     for start in range(0, num_blocks, COMMIT_EVERY):
         chunk = block_ids[start:start + COMMIT_EVERY]

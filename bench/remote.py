@@ -25,19 +25,19 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import multiprocessing
 
 import numpy as np
 
 import kvd
-from bench.common import (ServerProcess, bench_main, digests, geometry_of, markdown_table,
-                          percentiles, progress, report)
+from bench.common import (Daemon, GeometryFlags, ServerProcess, bench_main, digests, geometry_of,
+                          markdown_table, percentiles, progress, report)
 from bench.data_plane import RedisServer, redis_missing
 
-FETCH_GEOMETRY = {"layers": 8, "kv_heads": 2, "head_dim": 64, "block_size": 16,
-                  "dtype": "float16"}  # 64 KiB blocks
+FETCH_GEOMETRY: GeometryFlags = {"layers": 8, "kv_heads": 2, "head_dim": 64, "block_size": 16,
+                                 "dtype": "float16"}  # 64 KiB blocks
 FETCH_BLOCKS = 256
 LOOKUP_BLOCKS = 16
 RAW_CHUNK = 32  # keys per MGET of the raw fetch (the tier's FETCH_CHUNK)
@@ -65,11 +65,16 @@ class TcpRedis(RedisServer):
         return f"redis://127.0.0.1:{self.port}"
 
 
-def _daemon(num_blocks: int, geometry: dict[str, Any], remote: str | None = None,
-            timeout_ms: int = 5000) -> Any:
-    from bench.common import Daemon
+class _RemoteFlags(TypedDict, total=False):
+    """`kvd start`'s remote-tier flags as `Daemon`'s keyword arguments."""
+    remote: str
+    remote_timeout_ms: int
 
-    extra = {} if remote is None else {"remote": remote, "remote_timeout_ms": timeout_ms}
+
+def _daemon(num_blocks: int, geometry: GeometryFlags, remote: str | None = None,
+            timeout_ms: int = 5000) -> Daemon:
+    extra: _RemoteFlags = ({} if remote is None
+                           else {"remote": remote, "remote_timeout_ms": timeout_ms})
     return Daemon(num_blocks, journal=True, **geometry, **extra)
 
 
@@ -196,8 +201,8 @@ def measure_lookups(rounds: int, per_round: int) -> dict[str, Any]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         dead_port = probe.getsockname()[1]  # nothing listens there once closed
-    geometry = {"layers": 1, "kv_heads": 1, "head_dim": 8, "block_size": 16,
-                "dtype": "float16"}
+    geometry: GeometryFlags = {"layers": 1, "kv_heads": 1, "head_dim": 8, "block_size": 16,
+                               "dtype": "float16"}
     stop = threading.Event()
     with TcpRedis() as healthy, TcpRedis() as slow:
         sleeper = threading.Thread(target=_keep_sleeping, args=(slow, stop), daemon=True)

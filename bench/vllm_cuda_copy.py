@@ -25,12 +25,12 @@ import sys
 import time
 from collections.abc import Callable
 
-from bench.common import Daemon, markdown_table
+from bench.common import Daemon, GeometryFlags, markdown_table
 
 NO_CUDA = 2
 
 
-def best_seconds(run: Callable[[], None], synchronize: Callable[[], None],
+def best_seconds(run: Callable[[], object], synchronize: Callable[[], None],
                  repeats: int) -> float:
     run()
     synchronize()  # warm-up: first-touch and allocator costs are not the copy's
@@ -41,6 +41,12 @@ def best_seconds(run: Callable[[], None], synchronize: Callable[[], None],
         synchronize()
         best = min(best, time.perf_counter() - started)
     return best
+
+
+def no_cuda(reason: str) -> int:
+    print("bench.vllm_cuda_copy needs a CUDA GPU and torch built for CUDA; "
+          f"{reason} here: run it on a GPU host", file=sys.stderr)
+    return NO_CUDA
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,17 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
     except ImportError:
-        torch = None
-    if torch is None or not torch.cuda.is_available():
-        print("bench.vllm_cuda_copy needs a CUDA GPU and torch built for CUDA; "
-              f"{'torch is not installed' if torch is None else 'torch sees no CUDA device'} "
-              "here: run it on a GPU host", file=sys.stderr)
-        return NO_CUDA
+        return no_cuda("torch is not installed")
+    if not torch.cuda.is_available():
+        return no_cuda("torch sees no CUDA device")
     from kvd.geometry import Geometry
     from kvd.integrations.vllm.layout import TORCH_DTYPES, HostPool, PagedLayer
 
-    shape = {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-             "block_size": args.block_size, "dtype": args.dtype}
+    shape: GeometryFlags = {"layers": args.layers, "kv_heads": args.kv_heads,
+                            "head_dim": args.head_dim, "block_size": args.block_size,
+                            "dtype": args.dtype}
     geometry = Geometry(num_blocks=args.blocks, num_layers=args.layers,
                         block_size=args.block_size, num_kv_heads=args.kv_heads,
                         head_dim=args.head_dim, dtype=args.dtype)

@@ -19,16 +19,31 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:
+    from vllm import LLM
 
 # The engine lives in this process: one process per engine, and the tests start two of them.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-MODEL_SHAPE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
-               "max_position_embeddings": 1024}
+
+class LlamaShape(TypedDict):
+    """A random Llama's shape: `LlamaConfig`'s keywords."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+
+
+MODEL_SHAPE: LlamaShape = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                           "num_hidden_layers": 2, "num_attention_heads": 2,
+                           "num_key_value_heads": 2, "max_position_embeddings": 1024}
 # head_dim 32: the CPU attention backend's smallest head size. Block size 32: a multiple of 32,
 # as its kernels want, and small enough for a 300-token prompt to fill 9 blocks.
 BLOCK_SIZE = 32
@@ -36,7 +51,7 @@ MARKER = "@@kvd "
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def kvd_shape(model_shape: dict[str, int]) -> dict[str, Any]:
+def kvd_shape(model_shape: LlamaShape) -> dict[str, Any]:
     """The `kvd start` geometry flags (as keywords) for a model of `model_shape`."""
     return {"layers": model_shape["num_hidden_layers"],
             "kv_heads": model_shape["num_key_value_heads"],
@@ -47,7 +62,7 @@ def kvd_shape(model_shape: dict[str, int]) -> dict[str, Any]:
 KVD_SHAPE = kvd_shape(MODEL_SHAPE)
 
 
-def make_model(path: str, seed: int = 0, shape: dict[str, int] = MODEL_SHAPE) -> str:
+def make_model(path: str, seed: int = 0, shape: LlamaShape = MODEL_SHAPE) -> str:
     """Write a random Llama (float32) to `path` unless it is there; return `path`."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -61,9 +76,9 @@ def make_model(path: str, seed: int = 0, shape: dict[str, int] = MODEL_SHAPE) ->
     return path
 
 
-def make_llm(model: str, kvd_name: str | None, connector: str, prefix_caching: bool):
+def make_llm(model: str, kvd_name: str | None, connector: str, prefix_caching: bool) -> LLM:
     from vllm import LLM
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if kvd_name is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KvdConnector", "kv_connector_module_path": connector,
@@ -74,7 +89,7 @@ def make_llm(model: str, kvd_name: str | None, connector: str, prefix_caching: b
                enable_prefix_caching=prefix_caching, disable_log_stats=False, **kwargs)
 
 
-def answer(llm, command: dict) -> dict:
+def answer(llm: LLM, command: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
     params = SamplingParams(max_tokens=command["max_tokens"], temperature=0.0, ignore_eos=True)
     started = time.perf_counter()

@@ -30,12 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Daemon, bench_main, markdown_table, write_json
-from bench.vllm_engine import MODEL_SHAPE, EngineProcess, kvd_shape, make_model
+from bench.vllm_engine import MODEL_SHAPE, EngineProcess, LlamaShape, kvd_shape, make_model
 
 # The full run's model: small, but with prefill that costs something on a CPU (13M parameters;
 # the tests' model has 0.1M), so TTFT weighs the prefill kvd saves against what kvd costs.
-BENCH_SHAPE = dict(MODEL_SHAPE, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                   num_attention_heads=8, num_key_value_heads=8)
+BENCH_SHAPE: LlamaShape = {**MODEL_SHAPE, "hidden_size": 512, "intermediate_size": 1408,
+                           "num_hidden_layers": 4, "num_attention_heads": 8,
+                           "num_key_value_heads": 8}
 
 
 @dataclass

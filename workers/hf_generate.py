@@ -26,6 +26,7 @@ import os
 import random
 import time
 from dataclasses import asdict, dataclass
+from typing import TypedDict
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights: never reach for a hub
 
@@ -79,9 +80,15 @@ class WorkerReport:
     wall_s: float = 0.0
 
 
+class _GenerateOptions(TypedDict):
+    """`model.generate`'s keywords here: greedy decoding of `max_new_tokens` tokens."""
+    max_new_tokens: int
+    do_sample: bool
+
+
 def _generate(model: LlamaForCausalLM, client: kvd.Client | None, prompt: list[int],
               new_tokens: int, report: WorkerReport) -> None:
-    options = {"max_new_tokens": new_tokens, "do_sample": False}
+    options: _GenerateOptions = {"max_new_tokens": new_tokens, "do_sample": False}
     if client is None:
         model.generate(torch.tensor([prompt]), **options)
         computed = len(prompt) + new_tokens - 1

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from kvd.blockcopy import STREAMING_MIN_NBYTES, page_aligned_empty, scatter_rows
 from kvd.errors import BadArgsError
@@ -119,7 +120,7 @@ def from_storage(x: np.ndarray) -> np.ndarray:
 class ContiguousKV:
     """The reference store: per layer, one array of `capacity` positions."""
 
-    def __init__(self, config: ModelConfig, capacity: int, dtype: np.dtype | str = np.float32):
+    def __init__(self, config: ModelConfig, capacity: int, dtype: npt.DTypeLike = np.float32):
         shape = (config.num_layers, 2, capacity, config.num_kv_heads, config.head_dim)
         self.cache = np.zeros(shape, dtype=dtype)
 
@@ -162,7 +163,7 @@ class PagedKV:
         # `read`'s float32 copy of each layer, the block table it was copied from, and how many
         # of its leading blocks no write has touched since.
         num_layers = pool.shape[1]
-        self._copies = [page_aligned_empty((2, 0, self._runs.shape[1]), np.float32)] * num_layers
+        self._copies = [page_aligned_empty((2, 0, self._runs.shape[1]), "float32")] * num_layers
         self._copied_ids: list[list[int]] = [[] for _ in range(num_layers)]
         self._num_clean = [0] * num_layers
 

@@ -178,6 +178,35 @@ def test_a_block_evicted_during_the_copy_is_not_written(redis_empty):
         tier.close()
 
 
+def test_full_batches_fit_a_tier_at_its_maxmemory(redis_empty):
+    """A command's arguments count against maxmemory until it runs: a batch of 32 blocks of
+    64 KiB in one MSET was refused (OOM) by a server with 2 MB to spare however much it evicted,
+    and the tier went down. Batches are bounded by bytes as well as blocks."""
+    redis_empty.cli("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
+    info = redis_empty.cli("INFO", "memory")
+    used = int(next(line for line in info.splitlines() if line.startswith("used_memory:"))
+               .split(":")[1])
+    redis_empty.cli("CONFIG", "SET", "maxmemory", str(used + 2_000_000))
+    geometry = Geometry(num_blocks=64, num_layers=2, block_size=4, num_kv_heads=2, head_dim=1024,
+                        dtype="float32")  # 64 KiB blocks
+    tier = RemoteTier(parse_url(redis_empty.url), BlockCodec("default", geometry))
+    tier.blocks = np.ones((64, geometry.block_nbytes), dtype=np.uint8)
+    tier._generations = np.zeros(64, dtype=np.uint64)
+    client = tier._connect()
+    try:
+        for round_ in range(2):  # the second round must evict the first
+            tier.sealed([(index, bytes([round_, index]) * 8, 0) for index in range(32)])
+            while tier._writes:
+                tier._write_batch(client)
+        assert tier.counters["write_errors"] == 0, tier.last_error
+        assert tier.counters["written"] == 64 and tier.state != "down"
+        assert 0 < int(redis_empty.cli("DBSIZE")) < 64  # it evicted
+    finally:
+        client.close()
+        tier.blocks = tier._generations = None
+        tier.close()
+
+
 # ---- acceptance: two hosts --------------------------------------------------------------------
 def test_a_prompt_prefilled_on_one_host_is_a_hit_on_another(daemon_factory, redis_empty):
     host_a = remote_daemon(daemon_factory, redis_empty.url)

@@ -15,8 +15,12 @@ deque (appends and pops are atomic under the GIL) plus a wake-up:
     done     the fetch thread appends the finished job and writes a byte to `done_fd`, which the
              loop's selector watches (kvd/server/loop.py); the loop imports what arrived.
 
-Write-behind thread: pops up to WRITE_BATCH blocks, copies each block's bytes out of the shared
-segment, and sends them as one command. A sealed block is immutable, but once released it can
+Write-behind thread: pops up to WRITE_BATCH blocks, and at most WRITE_BATCH_NBYTES of them
+(one block at least), copies each block's bytes out of the shared segment, and sends them as one
+command. The byte bound is Redis's: a command's arguments sit in the server's query buffer, which
+counts against `maxmemory` until the command has run, so a tier nearly full under `allkeys-lru`
+answers a 2 MiB MSET with OOM however much it evicts, where 1 MiB ones go through (as do a
+cluster's SETs of one block each). A sealed block is immutable, but once released it can
 be evicted and its block reused (for other bytes) at any moment; eviction bumps the block's
 generation (kvd/core/pool.py, invariant 5) before the block can be handed out again, so the
 generation is read before and after the copy and the write is dropped (`stale`) if it changed: a
@@ -78,7 +82,8 @@ log = logging.getLogger("kvd")
 
 DEFAULT_TIMEOUT_MS = 100
 MAX_QUEUED_WRITES = 8192  # blocks waiting to be written (metadata only: ~100 bytes each)
-WRITE_BATCH = 32  # blocks per pipeline: 2 MiB at 64 KiB blocks
+WRITE_BATCH = 32  # blocks per command: 16 KiB at 512-byte blocks
+WRITE_BATCH_NBYTES = 1 << 20  # and at most this many bytes of them (module docstring)
 WRITE_GATHER_S = 0.005  # a write waits this long for others to share its pipeline
 # A cluster's values this large go to redis-py as memoryviews, which it sends as they are; it
 # would copy a bytearray twice (to bytes, then into hiredis' packed command), holding the GIL the
@@ -121,6 +126,7 @@ class RemoteTier:
         self.counters = dict.fromkeys((*LOOP_COUNTERS, *WRITE_COUNTERS, *FETCH_COUNTERS), 0)
         self.is_importing = False  # the loop is sealing fetched blocks: nothing to write back
         self._writes: deque[tuple[int, bytes, int]] = deque()
+        self._batch_blocks = max(1, min(WRITE_BATCH, WRITE_BATCH_NBYTES // codec.block_nbytes))
         self._fetches: deque[FetchJob] = deque()
         self._done: deque[FetchJob] = deque()
         self._wake_writer = threading.Event()
@@ -278,7 +284,7 @@ class RemoteTier:
                 self._wake_writer.wait(RETRY_S)
                 self._wake_writer.clear()
                 continue
-            if len(self._writes) < WRITE_BATCH:  # let a batch gather: fewer, fuller pipelines
+            if len(self._writes) < self._batch_blocks:  # let a batch gather: fewer, fuller ones
                 time.sleep(WRITE_GATHER_S)
             self._write_batch(client)
         _close_client(client)
@@ -300,7 +306,7 @@ class RemoteTier:
     def _write_batch(self, client: Any) -> None:
         rows: list[tuple[int, bytes, int]] = []
         writes = self._writes
-        while writes and len(rows) < WRITE_BATCH:
+        while writes and len(rows) < self._batch_blocks:
             try:
                 rows.append(writes.popleft())
             except IndexError:  # (the loop dropped it meanwhile)

@@ -95,7 +95,9 @@ class ModelServer:
 
     def serve(self, prompt: np.ndarray, num_new_tokens: int) -> tuple[int, int]:
         tokens, _ = self.decoder.generate(prompt, num_new_tokens)
-        return self.decoder.last_request.cached_tokens, len(tokens)
+        stats = self.decoder.last_request
+        assert stats is not None  # (generate sets it)
+        return stats.cached_tokens, len(tokens)
 
 
 def replay_share(args: argparse.Namespace) -> ReplayStats:

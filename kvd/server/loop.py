@@ -171,6 +171,8 @@ class Server:
         try:
             while not stop.is_requested:  # (no waiting while closed sessions are released)
                 self.serve_once(0.0 if self.service.num_deferred else 1.0)
+            if stop.signal_name is not None:
+                log.info("received %s, stopping", stop.signal_name)
         except BaseException:
             # A kvd bug escaped the loop (handlers' errors never do): end like a crash, keeping
             # what --recover restores, rather than like a plain stop that removes the cache.

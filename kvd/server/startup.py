@@ -147,6 +147,7 @@ class Stop:
     def __init__(self) -> None:
         self.is_requested = False
         self.keep = False  # keep segment and journal for --recover
+        self.signal_name: str | None = None  # the signal that asked, logged by the loop
 
     def request(self, keep: bool | None = None) -> None:
         if keep is not None:
@@ -154,7 +155,10 @@ class Stop:
         self.is_requested = True
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
-        log.info("received %s, stopping", signal.Signals(signum).name)
+        # No logging here: a handler runs between two bytecodes of the main thread, perhaps in
+        # the middle of its own write to the log's stream, which a write from here re-enters
+        # (RuntimeError: reentrant call), and that error escapes the loop as if kvd had failed.
+        self.signal_name = signal.Signals(signum).name
         self.is_requested = True
 
     def on_shutdown(self, keep: bool) -> None:

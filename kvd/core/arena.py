@@ -34,35 +34,24 @@ slabs to move (a pool's partly used slab is waste too, and many slabs let memory
 bench/arena_waste.py measures the waste against padding every block to the largest geometry.
 
 Where memory goes. The C pool (kvd/core/_pool.c) allocates only from its free list and declines
-otherwise, so the slab moves live here, on the refill path (once per slab, not per block). Each
-pool has a target, a share of the owned slabs (floats; the targets sum to the slabs owned). When
+otherwise, so the slab moves live here, on the refill path (once per slab, not per block). When
 pool P's free list is short, `make_room` takes, in order:
-  1. an unowned slab (at start every slab is unowned: pools grow on demand), and P's target
-     grows by it: when the budget first fills up, the targets are what each pool took;
-  2. when P cannot cover the request itself (free + evictable too small), the coldest takeable
-     slab of any other pool, its target following the slab;
-  3. a slab of an idle pool: one that did nothing while the pools allocated a whole budget's
-     bytes (phase 2 of issue 31 item 2), its target following the slab;
-  4. when P holds at least MOVE_BAND slabs fewer than its target, a slab of the pool holding the
-     most above its own target;
-  5. otherwise nothing: P evicts its own policy victim (BlockPool's ordinary path).
-Ghost hits move the targets, never the slabs directly (Cliffhanger's hill climbing, Cidon et
+  1. an unowned slab (at start every slab is unowned: pools grow on demand);
+  2. when P cannot cover the request itself (free + evictable too small), the coldest slab of
+     another pool that can be taken;
+  3. otherwise another pool's coldest takeable slab, but only from a pool whose memory is worth
+     no more than P's; else P evicts its own policy victim (BlockPool's ordinary path).
+"Worth" is Cliffhanger's shadow-queue estimate of the hit rate one more slab would buy (Cidon et
 al., NSDI 2016): each pool's policy is wrapped in a GhostPolicy that remembers the keys of the
-blocks it let go lately, GHOST_SHARE of the budget's bytes' worth (the same bytes for every
-pool, so that counts compare per byte), and a lookup miss that would have extended the prefix
-hit through remembered keys (or through cached keys behind them) is a ghost hit per key. Each
-one raises P's target by a step, taking it from the other targets in proportion to them: memory
-drifts to where more of it buys more prefix hits, at a pace set by the difference of the pools'
-ghost-hit rates, and settles where they balance. A key let go lately counts more (2, down to 0
-for the oldest remembered): the gain of the next slab, not of the next 70 % of the budget.
-Why targets: moving a slab at every refill toward whichever pool has more (decayed) ghost hits
-sloshes memory wherever that comparison keeps flipping (~20k slab moves each way at 2000
-blocks on the generated pairs of docs/pools.md), every move evicting blocks; noise only moves a
-target a few steps around its balance, and a slab moves when the band is crossed. The step
-adapts like Rprop: one mean block's bytes at first, x STEP_GROWTH at each target move in the
-direction of the previous one (the split is far from its balance: get there faster), halved at
-a reversal (it is near it: settle), within STEP_SCALES. Forced and idle moves (2, 3) move the
-target with the slab, so that step 4 does not hand the slab straight back.
+blocks it evicted lately, GHOST_SHARE of the budget's bytes' worth (the same bytes for every
+pool, so counts compare per byte), and a lookup miss that would have extended the prefix hit
+through remembered keys counts one ghost hit per key; ghost hits halve every GHOST_HALF_LIFE
+lookups with a miss. A pool takes from a pool with fewer ghost hits: memory flows to where more
+of it buys more prefix hits, and settles where the marginal gains are equal. With equal ghost
+hits (say neither pool re-reads anything) the slab ages decide: a slab's stamp is the arena's
+clock (one tick per lookup and allocation, any pool) when a block of it was last allocated or
+hit, and a slab colder than P's coldest goes (memcached's slab automover: a global LRU at slab
+granularity), so an idle pool's memory ages and a busy one takes it (item 2 of issue 31).
 
 Which slab leaves the donor: the slab of the donor's own policy victim when no other block of
 it was used after the victim (each block's last use is stamped too), else the donor's coldest
@@ -76,20 +65,15 @@ another pool's long requests loses most of its blocks that way), and the policie
 slab-granular LRU by up to 10 % (bench/hit_ratio.py --sharing, docs/pools.md). A victim whose
 slab is refused goes with the move all the same (`give_back` evicts a chosen victim first): it
 was the donor's next eviction anyway. Inside a pool its own policy still chooses every victim.
-bench/hit_ratio.py --sharing measures the rule against static splits on five pairs of traces;
-GHOST_SHARE, MOVE_BAND and the step's adaptation are the values that did best there
-(docs/pools.md).
+bench/hit_ratio.py --sharing measures the rule against static splits; GHOST_SHARE and
+GHOST_HALF_LIFE are the values that did best there (docs/pools.md).
 
-Costs: the hot path (a pool with free blocks) pays two stamps (slab and block) per allocated or
-hit block, and a lookup with a miss one ghost probe per missing key up to the first one neither
-remembered nor cached, plus O(pools) to move the targets. A refill with no move is O(pools)
-(counters: slabs held, unowned, bytes allocated). A move compares the slab stamps (NumPy passes
-over `num_slabs`), asks the donor's policy for one victim, compares `blocks_per_slab` stamps,
-evicts at most one slab of blocks (and the victim) and filters the donor's free list once;
-moves happen at most once per slab of target drift, plus the forced and idle ones.
-`num_available` scans every pool's states (O(id space), off the hot path). State is bounded:
-per pool a ghost list of at most its limit, a target, a counter; per arena a step scale within
-STEP_SCALES.
+Costs: a refill compares the stamps of the slabs (NumPy passes over `num_slabs`); a move
+asks the donor's policy for one victim, compares `blocks_per_slab` stamps, evicts at most one
+slab of blocks (and the victim) and filters the donor's free list once; `num_available`
+scans every pool's states (O(id space), off the hot path). The hot path (a pool with free
+blocks) pays two stamps (slab and block) per allocated or hit block, and a lookup with a miss
+one ghost probe per missing key up to the first one not remembered.
 """
 
 from __future__ import annotations
@@ -108,11 +92,7 @@ from kvd.errors import BadArgsError, InternalError
 UNOWNED = -1
 MAX_SLAB_BLOCKS = 64  # slab_nbytes is at most this many of the largest block
 GHOST_SHARE = 0.7  # a pool's ghost list holds evicted keys worth this share of the budget
-MOVE_BAND = 1.0  # slabs a pool must be short of its target by to take one
-# The step a ghost hit moves targets by, in mean blocks' bytes: it starts at 1, grows by
-# STEP_GROWTH at each target move in the direction of the last one, halves at a reversal.
-STEP_GROWTH = 1.05
-STEP_SCALES = (1 / 16, 16.0)  # the least and the most it is scaled by
+GHOST_HALF_LIFE = 150  # lookups with a miss (all pools) after which a ghost hit counts half
 
 
 def choose_slab_nbytes(budget_nbytes: int, block_nbytes: Sequence[int]) -> int:
@@ -148,8 +128,7 @@ class GhostPolicy:
 
     def __init__(self, policy: EvictionPolicy, limit: int) -> None:
         self.policy, self.limit, self.name = policy, max(1, limit), policy.name
-        self.keys: OrderedDict[Hashable, int] = OrderedDict()
-        self.num_let_go = 0
+        self.keys: OrderedDict[Hashable, None] = OrderedDict()
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.policy, name)
@@ -172,9 +151,7 @@ class GhostPolicy:
 
     def _remember(self, key: Hashable) -> None:
         keys = self.keys
-        self.num_let_go += 1
-        keys.pop(key, None)
-        keys[key] = self.num_let_go
+        keys[key] = None
         if len(keys) > self.limit:
             keys.popitem(last=False)
 
@@ -202,18 +179,10 @@ class Arena:
         self.block_nbytes = list(block_nbytes)
         self.blocks_per_slab = [self.slab_nbytes // nbytes for nbytes in block_nbytes]
         self.owner = np.full(self.num_slabs, UNOWNED, dtype=np.int32)
-        self.num_unowned_slabs = self.num_slabs
         self.stamps = np.zeros(self.num_slabs, dtype=np.int64)
         self.clock = 0
+        self.num_lookups = 0  # (ghost hits halve every GHOST_HALF_LIFE of them)
         self.num_moves = 0
-        self.step_scale = 1.0
-        self.last_move = (-1, -1)
-        self.allocated_nbytes = 0  # by all pools, ever: the clock idleness is measured by
-        # Per pool, slabs held and the damped target share (in slabs) ghost hits move; the
-        # targets sum to the slabs owned (module docstring).
-        self.held = [0] * len(block_nbytes)
-        self.targets = [0.0] * len(block_nbytes)
-        self.step = sum(block_nbytes) / len(block_nbytes) / self.slab_nbytes  # one mean block
         self.budget_nbytes = budget_nbytes
         self.pools: list[ArenaPool | None] = [None] * len(block_nbytes)
 
@@ -242,7 +211,7 @@ class Arena:
 
     # ---- accounting ----------------------------------------------------------------------
     def num_unowned(self) -> int:
-        return self.num_unowned_slabs
+        return int(np.count_nonzero(self.owner == UNOWNED))
 
     def num_takeable(self, pool: ArenaPool) -> int:
         """Slabs `pool` could take now: unowned ones, and other pools' with nothing in use."""
@@ -272,7 +241,6 @@ class Arena:
     def stamp(self, pool: ArenaPool, block_ids: Iterable[int]) -> None:
         """Tick the clock and mark the slabs of these blocks as just used."""
         self.clock += 1
-        pool.last_active = self.allocated_nbytes
         bps, stamps, clock = pool.blocks_per_slab, self.stamps, self.clock
         last_used = pool.last_used
         for block_id in block_ids:
@@ -280,104 +248,68 @@ class Arena:
             last_used[block_id] = clock
 
     def count_lookup(self, pool: ArenaPool, keys: Sequence[Hashable], num_hits: int) -> None:
-        """Move `pool`'s target up by `step` slabs per missing key it evicted lately that would
-        have extended its prefix hit (its ghost hits: what prefix reuse more memory would have
-        bought), taking the same from the other pools' targets in proportion to them."""
-        ghost = pool.ghosts
-        ghosts = ghost.keys
-        num_ghost_hits = 0.0
-        index = pool.tables.index
-        weight = 0.0
+        """Count the lookup's misses that `pool` evicted lately and that would have extended its
+        prefix hit (its ghost hits: what prefix reuse more memory would have bought)."""
+        ghosts = pool.ghosts.keys
         for key in keys[num_hits:]:
-            let_go = ghosts.get(key)
-            if let_go is not None:  # 2 for the newest key let go, down to 0 for the oldest
-                recency = 2 * (1 - (ghost.num_let_go - let_go) / ghost.limit)
-                weight = min(weight, recency) if weight else recency
-            elif not (weight and key in index):  # (a cached key behind a ghost counts too)
+            if key not in ghosts:
                 break
-            num_ghost_hits += weight
-        if num_ghost_hits:
-            self._credit(pool.number, num_ghost_hits * self.step * self.step_scale)
-
-    def _credit(self, number: int, amount: float) -> None:
-        """Pool `number`'s target up by `amount` slabs (at most what the others have), the
-        others' down in proportion to theirs: the targets keep their sum."""
-        targets = self.targets
-        others = sum(targets) - targets[number]
-        amount = min(amount, others)
-        if amount <= 0:
-            return
-        keep = 1 - amount / others
-        for each in range(len(targets)):
-            if each != number:
-                targets[each] *= keep
-        targets[number] += amount
+            pool.ghost_hits += 1
+        self.num_lookups += 1
+        if self.num_lookups % GHOST_HALF_LIFE == 0:
+            for each in self.pools:
+                if each is not None:
+                    each.ghost_hits /= 2
 
     def make_room(self, pool: ArenaPool, num_blocks: int) -> None:
         """Give `pool` slabs until its free list holds `num_blocks`, or until the rule of the
         module docstring says it should evict its own blocks instead."""
         while pool.num_free < num_blocks:
-            if self.num_unowned_slabs:
-                self.targets[pool.number] += 1
-                self._give(int(np.flatnonzero(self.owner == UNOWNED)[0]), pool)
+            unowned = np.flatnonzero(self.owner == UNOWNED)
+            if unowned.size:
+                self._give(int(unowned[0]), pool)
                 continue
             must_grow = pool.num_own_available < num_blocks
-            if must_grow:  # whoever owns the coldest slab that can be taken gives
-                coldest = self._coldest_takeable(self.owner != pool.number)
-                donor = None if coldest is None else self.pools[self.owner[coldest]]
-            else:
-                donor = self._donor(pool)
-            if donor is None:
-                return
-            slab = donor.victim_slab()
-            if slab is None:
-                slab = self._coldest_takeable(self.owner == donor.number)
+            slab = self._donor_slab(pool, must_grow)
             if slab is None:
                 return
-            if must_grow or self._is_idle(donor, pool):  # the target follows the slab
-                moved = min(1.0, self.targets[donor.number])
-                self.targets[donor.number] -= moved
-                self.targets[pool.number] += moved
-            else:
-                self._adapt_step((donor.number, pool.number))
             self._take(slab)
             self._give(slab, pool)
 
-    def _adapt_step(self, move: tuple[int, int]) -> None:
-        """Grow the step while target moves keep one direction (far from the balance), halve it
-        at a reversal (around it)."""
-        least, most = STEP_SCALES
-        if move == self.last_move:
-            self.step_scale = min(most, self.step_scale * STEP_GROWTH)
-        elif move[::-1] == self.last_move:
-            self.step_scale = max(least, self.step_scale / 2)
-        self.last_move = move
-
-    def _donor(self, pool: ArenaPool) -> ArenaPool | None:
-        """An idle pool holding slabs, else, when `pool` is short of its target by MOVE_BAND
-        slabs, the pool holding the most above its own target; or None."""
-        others = [each for each in self.pools
-                  if each is not None and each is not pool and self.held[each.number]]
-        for each in others:
-            if self._is_idle(each, pool):
-                return each
-        if self.targets[pool.number] - self.held[pool.number] < MOVE_BAND:
+    def _donor_slab(self, pool: ArenaPool, must_grow: bool) -> int | None:
+        """A slab of the pool owning another pool's coldest slab that can be taken (colder than
+        `pool`'s coldest unless `must_grow`): its policy victim's if `victim_slab` allows,
+        else that coldest slab; or None."""
+        owner, stamps = self.owner, self.stamps
+        is_other = (owner != UNOWNED) & (owner != pool.number)
+        if not must_grow:
+            is_other &= self._is_poorer(pool)[np.maximum(owner, 0)]
+        if not is_other.any():
             return None
-        excess = [(self.held[each.number] - self.targets[each.number], each) for each in others]
-        best = max(excess, key=lambda item: item[0], default=None)
-        return best[1] if best is not None and best[0] > 0 else None
-
-    def _is_idle(self, other: ArenaPool, pool: ArenaPool) -> bool:
-        """Whether `other` did nothing while the pools allocated a whole budget's bytes."""
-        return self.allocated_nbytes - other.last_active >= self.data_nbytes
-
-    def _coldest_takeable(self, is_candidate: np.ndarray) -> int | None:
-        candidates = np.flatnonzero(is_candidate & (self.owner != UNOWNED))
-        for slab in candidates[np.argsort(self.stamps[candidates], kind="stable")].tolist():
-            donor = self.pools[self.owner[slab]]
+        candidates = np.flatnonzero(is_other)
+        if not must_grow:
+            own = stamps[owner == pool.number]
+            coldest_own = own.min() if own.size else np.iinfo(np.int64).max
+            is_tie = np.array([each is not None and each.ghost_hits == pool.ghost_hits
+                               for each in self.pools])[owner[candidates]]
+            candidates = candidates[~is_tie | (stamps[candidates] < coldest_own)]
+        coldest_first = candidates[np.argsort(stamps[candidates], kind="stable")].tolist()
+        if coldest_first:
+            donor = self.pools[owner[coldest_first[0]]]
+            slab = None if donor is None else donor.victim_slab()
+            if slab is not None:
+                return slab
+        for slab in coldest_first:
+            donor = self.pools[owner[slab]]
             if donor is not None and donor.can_give(slab):
                 return slab
         return None
+
+    def _is_poorer(self, pool: ArenaPool) -> np.ndarray:
+        """Per pool, whether its memory is worth no more than `pool`'s need: fewer ghost hits
+        (or as many: then the slab ages decide)."""
+        return np.array([each is not None and each.ghost_hits <= pool.ghost_hits
+                         for each in self.pools])
 
     def _take(self, slab: int) -> None:
         donor = self.pools[self.owner[slab]]
@@ -385,8 +317,6 @@ class Arena:
             raise InternalError(f"slab {slab} belongs to a pool that does not exist: an arena bug")
         donor.give_back(slab)
         self.owner[slab] = UNOWNED
-        self.held[donor.number] -= 1
-        self.num_unowned_slabs += 1
         self.num_moves += 1
 
     def claim(self, pool: ArenaPool, slabs: np.ndarray) -> None:
@@ -394,37 +324,18 @@ class Arena:
         if (self.owner[slabs] != UNOWNED).any():
             raise InternalError("a slab claimed by two pools: recovery drops such claims first")
         self.owner[slabs] = pool.number
-        self.held[pool.number] += len(slabs)
-        self.targets[pool.number] += len(slabs)
-        self.num_unowned_slabs -= len(slabs)
 
     def _give(self, slab: int, pool: ArenaPool) -> None:
         self.owner[slab] = pool.number
-        self.held[pool.number] += 1
-        self.num_unowned_slabs -= 1
         self.clock += 1
         self.stamps[slab] = self.clock
         pool.adopt(slab)
 
     def check_invariants(self) -> None:
-        """Each pool's invariants, slab ownership agrees with what each pool holds, and the
-        targets are shares of the slabs owned."""
-        owned = self.num_slabs - self.num_unowned_slabs
-        if self.num_unowned_slabs != np.count_nonzero(self.owner == UNOWNED):
-            raise InternalError("the arena miscounts its unowned slabs")
-        if (min(self.targets) < -1e-9 * self.num_slabs
-                or abs(sum(self.targets) - owned) > 1e-9 * self.num_slabs + 1e-9):
-            raise InternalError(f"targets {self.targets} are not shares of {owned} owned slabs")
-        if not STEP_SCALES[0] <= self.step_scale <= STEP_SCALES[1]:
-            raise InternalError(f"step scale {self.step_scale} outside {STEP_SCALES}")
+        """Each pool's invariants, and slab ownership agrees with what each pool holds."""
         for pool in self.pools:
             if pool is not None:
                 pool.check_invariants()
-                if self.held[pool.number] != len(self.slabs_of(pool.number)):
-                    raise InternalError(f"pool {pool.number} is counted holding "
-                                        f"{self.held[pool.number]} slabs, owns others")
-                if len(pool.ghosts.keys) > pool.ghosts.limit:
-                    raise InternalError(f"pool {pool.number}'s ghost list outgrew its limit")
                 if pool.num_present != len(self.slabs_of(pool.number)) * pool.blocks_per_slab:
                     raise InternalError(f"pool {pool.number} counts {pool.num_present} present "
                                         "blocks but owns a different number of slabs")
@@ -444,7 +355,7 @@ class ArenaPool(BlockPool):
         self.ghosts = GhostPolicy(inner, ghost_limit)
         super().__init__(num_ids, cast(EvictionPolicy, self.ghosts), generations, observer)
         self.arena, self.number = arena, number
-        self.last_active = 0  # the arena's allocated_nbytes at this pool's last op
+        self.ghost_hits = 0.0
         self.last_used = np.zeros(num_ids, dtype=np.int64)  # per block, the arena's clock
         self.blocks_per_slab = arena.blocks_per_slab[number]
         self.block_nbytes = arena.block_nbytes[number]
@@ -469,7 +380,6 @@ class ArenaPool(BlockPool):
             self.arena.make_room(self, num_blocks)
         block_ids = super().allocate(num_blocks, owner)
         if block_ids:
-            self.arena.allocated_nbytes += len(block_ids) * self.block_nbytes
             self.arena.stamp(self, block_ids)
         return block_ids
 
@@ -480,7 +390,6 @@ class ArenaPool(BlockPool):
                 return None  # (the C put would ask an empty policy for a victim)
         block_id = super().put(key, tier)
         if block_id is not None:
-            self.arena.allocated_nbytes += self.block_nbytes
             self.arena.stamp(self, (block_id,))
         return block_id
 
